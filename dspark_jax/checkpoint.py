@@ -1,0 +1,205 @@
+"""Hugging Face Qwen3 checkpoints: load a local folder into our model, export ours back.
+
+A folder holds config.json, model.safetensors or model.safetensors.index.json with its shards,
+and tokenizer.json.  Weights are checked name by name and shape by shape against the model's
+abstract structure before anything is placed on the device, so a bad folder fails with a message
+naming the file and tensor instead of a shape error deep inside jit.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from dspark_jax.config import Qwen3Config
+from dspark_jax.errors import CheckpointError
+from dspark_jax.models.qwen3 import Qwen3ForCausalLM, abstract_model
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+# HF per-layer tensor name -> (path inside our stacked `layers`, transpose?)
+_LAYER_MAP = {
+    "self_attn.q_proj.weight": (("self_attn", "q_proj", "kernel"), True),
+    "self_attn.k_proj.weight": (("self_attn", "k_proj", "kernel"), True),
+    "self_attn.v_proj.weight": (("self_attn", "v_proj", "kernel"), True),
+    "self_attn.o_proj.weight": (("self_attn", "o_proj", "kernel"), True),
+    "self_attn.q_proj.bias": (("self_attn", "q_proj", "bias"), False),
+    "self_attn.k_proj.bias": (("self_attn", "k_proj", "bias"), False),
+    "self_attn.v_proj.bias": (("self_attn", "v_proj", "bias"), False),
+    "self_attn.o_proj.bias": (("self_attn", "o_proj", "bias"), False),
+    "self_attn.q_norm.weight": (("self_attn", "q_norm", "weight"), False),
+    "self_attn.k_norm.weight": (("self_attn", "k_norm", "weight"), False),
+    "mlp.gate_proj.weight": (("mlp", "gate_proj", "kernel"), True),
+    "mlp.up_proj.weight": (("mlp", "up_proj", "kernel"), True),
+    "mlp.down_proj.weight": (("mlp", "down_proj", "kernel"), True),
+    "input_layernorm.weight": (("input_layernorm", "weight"), False),
+    "post_attention_layernorm.weight": (("post_attention_layernorm", "weight"), False),
+}
+_TOP_MAP = {
+    "model.embed_tokens.weight": (("embed_tokens", "embedding"), False),
+    "model.norm.weight": (("norm", "weight"), False),
+    "lm_head.weight": (("lm_head", "kernel"), True),
+}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def resolve_dtype(name: str | None, config: Qwen3Config):
+    name = name or config.dtype
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose from {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    if (folder / INDEX_FILE).exists():
+        try:
+            weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{folder / INDEX_FILE}: malformed index ({e})") from None
+        files = [folder / f for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.exists():
+                raise CheckpointError(f"{folder}: shard {f.name} named in {INDEX_FILE} is missing")
+        return files
+    if (folder / SINGLE_FILE).exists():
+        return [folder / SINGLE_FILE]
+    raise CheckpointError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE} found")
+
+
+def _read_tensors(files: list[Path]):
+    """Yield (name, numpy array) from safetensors files, turning corruption into CheckpointError."""
+    for f in files:
+        try:
+            with safe_open(str(f), framework="numpy") as st:
+                for name in st.keys():
+                    yield name, st.get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{f}: unreadable or truncated safetensors file ({e})") from None
+
+
+def _set(tree: dict, path: tuple[str, ...], value):
+    for p in path[:-1]:
+        tree = tree.setdefault(p, {})
+    tree[path[-1]] = value
+
+
+def _get(tree: dict, path: tuple[str, ...]):
+    for p in path:
+        tree = tree[p]
+    return tree
+
+
+def load_model(folder: str | Path, *, dtype: str | None = None) -> tuple[Qwen3Config, Qwen3ForCausalLM]:
+    """Load config.json + safetensors weights from a local folder into a Qwen3ForCausalLM."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"model folder {folder} does not exist")
+    if not (folder / "config.json").exists():
+        raise CheckpointError(f"{folder}: config.json is missing")
+    cfg = Qwen3Config.from_file(folder / "config.json")
+    jdtype = resolve_dtype(dtype, cfg)
+    abstract = abstract_model(cfg, jdtype)
+    graphdef, abs_state = nnx.split(abstract)
+    expected = nnx.to_pure_dict(abs_state)
+    L = cfg.num_hidden_layers
+
+    top: dict = {}
+    per_layer: dict[tuple[str, ...], list] = {path: [None] * L for path, _ in _LAYER_MAP.values()}
+    for name, arr in _read_tensors(_weight_files(folder)):
+        m = _LAYER_RE.match(name)
+        if m and m.group(2) in _LAYER_MAP:
+            i = int(m.group(1))
+            if i >= L:
+                raise CheckpointError(f"{folder}: tensor {name} but config has {L} layers")
+            path, transpose = _LAYER_MAP[m.group(2)]
+            per_layer[path][i] = arr.T if transpose else arr
+        elif name in _TOP_MAP:
+            path, transpose = _TOP_MAP[name]
+            if path[0] == "lm_head" and cfg.tie_word_embeddings:
+                continue  # some exports write the tied head anyway
+            _set(top, path, arr.T if transpose else arr)
+        elif name.startswith("model.layers.") and "rotary_emb" in name:
+            continue
+        else:
+            raise CheckpointError(f"{folder}: unexpected tensor {name!r} for a Qwen3 checkpoint")
+
+    loaded: dict = {}
+    for path, arrs in per_layer.items():
+        try:
+            _get(expected["layers"], path)
+        except KeyError:
+            if any(a is not None for a in arrs):
+                raise CheckpointError(f"{folder}: tensor for {'.'.join(path)} present but config disables it")
+            continue
+        missing = [i for i, a in enumerate(arrs) if a is None]
+        if missing:
+            raise CheckpointError(f"{folder}: layer {missing[0]} is missing {'.'.join(path)}")
+        shapes = {a.shape for a in arrs}
+        if len(shapes) != 1:
+            raise CheckpointError(f"{folder}: {'.'.join(path)} has different shapes across layers: {shapes}")
+        _set(loaded, ("layers",) + path, np.stack(arrs))
+    for path, _ in _TOP_MAP.values():
+        try:
+            _get(expected, path)
+        except KeyError:
+            continue
+        try:
+            _set(loaded, path, _get(top, path))
+        except KeyError:
+            raise CheckpointError(f"{folder}: missing tensor for {'.'.join(path)}") from None
+
+    def place(exp, arr, path):
+        if arr.shape != exp.shape:
+            raise CheckpointError(
+                f"{folder}: shape mismatch for {'/'.join(map(str, path))}: checkpoint has "
+                f"{tuple(arr.shape)}, config implies {tuple(exp.shape)}"
+            )
+        return jnp.asarray(arr.astype(np.float32) if arr.dtype == ml_dtypes.bfloat16 and exp.dtype != jnp.bfloat16 else arr, dtype=exp.dtype)
+
+    values = jax.tree_util.tree_map_with_path(
+        lambda p, exp: place(exp, _get(loaded, tuple(k.key for k in p)), p), expected
+    )
+    nnx.replace_by_pure_dict(abs_state, values)
+    return cfg, nnx.merge(graphdef, abs_state)
+
+
+def save_model(folder: str | Path, cfg: Qwen3Config, model: Qwen3ForCausalLM, *, dtype: str | None = None) -> None:
+    """Write config.json + model.safetensors in the Hugging Face layout transformers reads."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    out_dtype = np.dtype(ml_dtypes.bfloat16) if (dtype or cfg.dtype) == "bfloat16" else np.dtype(dtype or cfg.dtype)
+    state = nnx.to_pure_dict(nnx.state(model))
+    tensors: dict[str, np.ndarray] = {}
+
+    def put(name, arr, transpose):
+        a = np.asarray(jax.device_get(arr)).astype(out_dtype)
+        tensors[name] = np.ascontiguousarray(a.T if transpose else a)
+
+    for name, (path, transpose) in _TOP_MAP.items():
+        try:
+            put(name, _get(state, path), transpose)
+        except KeyError:
+            pass
+    for suffix, (path, transpose) in _LAYER_MAP.items():
+        try:
+            stacked = _get(state["layers"], path)
+        except KeyError:
+            continue
+        for i in range(cfg.num_hidden_layers):
+            put(f"model.layers.{i}.{suffix}", stacked[i], transpose)
+    save_file(tensors, str(folder / SINGLE_FILE), metadata={"format": "pt"})
+    d = cfg.to_hf_dict()
+    d["torch_dtype"] = "bfloat16" if out_dtype == np.dtype(ml_dtypes.bfloat16) else str(out_dtype)
+    (folder / "config.json").write_text(json.dumps(d, indent=2) + "\n")

@@ -1,0 +1,229 @@
+"""Engine: the Python entry point for batch generation.
+
+    engine = Engine.from_pretrained("path/to/qwen3")
+    results = engine.generate(["Hello"], SamplingParams(max_new_tokens=32))
+
+Requests run in slots (continuous batching): new requests are admitted as soon as a slot and
+their KV pages are free.  Each step is one compiled executable; the host blocks only to read
+the sampled token ids back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from dspark_jax.checkpoint import load_model, resolve_dtype
+from dspark_jax.config import Qwen3Config
+from dspark_jax.engine.model_runner import ModelRunner, batch_ladder, enable_compilation_cache, round_up
+from dspark_jax.engine.request import GenerationResult, Request, Status
+from dspark_jax.engine.scheduler import Scheduler
+from dspark_jax.errors import InvalidRequestError
+from dspark_jax.forward_batch import build_forward_batch
+from dspark_jax.kv_cache import allocate_kv_cache, kv_bytes_per_token
+from dspark_jax.layers.attention import resolve_backend
+from dspark_jax.models.qwen3 import Qwen3ForCausalLM
+from dspark_jax.page_pool import PagePool
+from dspark_jax.sampling import SamplingParams, sampling_arrays
+from dspark_jax.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    max_running_requests: int = 16
+    max_model_len: int | None = None  # default: min(max_position_embeddings, 4096)
+    page_size: int = 16
+    num_pages: int | None = None  # default: every slot can hold max_model_len, within memory
+    kv_memory_fraction: float = 0.85  # of free device memory, when the device reports it
+    max_prefill_tokens: int = 512
+    max_prefill_seqs: int = 8
+    attention_backend: str = "auto"  # auto | pallas | reference
+    dtype: str | None = None  # default: the checkpoint's
+    compile_cache_dir: str | None = None
+    precompile: bool = True
+    seed: int = 0  # draws seeds for requests that do not bring one
+
+
+class Engine:
+    def __init__(self, model: Qwen3ForCausalLM, tokenizer: Tokenizer | None, config: EngineConfig | None = None):
+        self.ec = ec = config or EngineConfig()
+        self.config: Qwen3Config = model.config
+        self.tokenizer = tokenizer
+        self.max_model_len = min(ec.max_model_len or 4096, self.config.max_position_embeddings)
+        if ec.max_running_requests < 1 or ec.max_prefill_tokens < 1:
+            raise ValueError("max_running_requests and max_prefill_tokens must be >= 1")
+        self.pages_per_seq = -(-self.max_model_len // ec.page_size)
+        num_pages = ec.num_pages or self._default_num_pages(model)
+        self.pool = PagePool(num_pages, ec.page_size)
+        cache = allocate_kv_cache(self.config, num_pages, ec.page_size, model.dtype)
+        self.backend = resolve_backend(ec.attention_backend)
+        enable_compilation_cache(ec.compile_cache_dir)
+        self.runner = ModelRunner(model, cache, pages_per_seq=self.pages_per_seq, backend=self.backend)
+        self.prefill_seqs = min(ec.max_prefill_seqs, ec.max_running_requests)
+        self.decode_buckets = batch_ladder(ec.max_running_requests)
+        self.prefill_buckets = batch_ladder(ec.max_prefill_tokens, start=min(16, ec.max_prefill_tokens))
+        self.scheduler = Scheduler(
+            self.pool,
+            max_running=ec.max_running_requests,
+            max_prefill_tokens=ec.max_prefill_tokens,
+            max_prefill_seqs=self.prefill_seqs,
+        )
+        self.eos_ids = frozenset(self.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids if tokenizer else ())
+        self._rng = np.random.default_rng(ec.seed)
+        self._ids = itertools.count()
+        self._requests: dict[str, Request] = {}
+        self.compile_seconds = self.runner.compile(self.all_buckets()) if ec.precompile else 0.0
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None, **overrides) -> "Engine":
+        ec = dataclasses.replace(config or EngineConfig(), **overrides)
+        _, model = load_model(path, dtype=ec.dtype)
+        return cls(model, Tokenizer.from_folder(path), ec)
+
+    # -- sizing ---------------------------------------------------------------------------
+    def _default_num_pages(self, model) -> int:
+        want = self.ec.max_running_requests * self.pages_per_seq + 1
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" not in stats:
+            return want
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        per_page = kv_bytes_per_token(self.config, model.dtype) * self.ec.page_size
+        fit = int(free * self.ec.kv_memory_fraction) // per_page
+        return max(2, min(want, fit))
+
+    def all_buckets(self) -> list[tuple[int, int, int]]:
+        decode = [(b, b, b) for b in self.decode_buckets]
+        prefill = [(t, self.prefill_seqs, self.prefill_seqs) for t in self.prefill_buckets]
+        return sorted(set(decode + prefill))
+
+    # -- requests -------------------------------------------------------------------------
+    def encode_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer: pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            try:
+                ids = [int(t) for t in prompt]
+            except (TypeError, ValueError):
+                raise InvalidRequestError("prompt must be a string or a list of integer token ids") from None
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; the context is {self.max_model_len}, "
+                "which must also hold at least one generated token"
+            )
+        return ids
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        params = dataclasses.replace(params) if params else SamplingParams()
+        params.validate()
+        ids = self.encode_prompt(prompt)
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._requests:
+            raise InvalidRequestError(f"duplicate request id {rid!r}")
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**32))
+        req = Request(rid, ids, params, seed, self.tokenizer, self.eos_ids, self.max_model_len)
+        if self.pool.pages_for(req.reserve_tokens) > self.pool.num_usable_pages:
+            raise InvalidRequestError(
+                f"request needs {req.reserve_tokens} KV slots but the whole pool holds {self.pool.capacity_tokens}"
+            )
+        self._requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        self.scheduler.release_finished()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- stepping -------------------------------------------------------------------------
+    def step(self) -> list[tuple[Request, list[int]]]:
+        """Run one scheduling step; returns (request, newly committed ids) for requests that moved.
+
+        Finished requests are released (slot and KV pages) before returning."""
+        self.scheduler.admit()
+        chunks = self.scheduler.next_prefill()
+        if chunks:
+            events = self._prefill(chunks)
+        else:
+            reqs = self.scheduler.decode_batch()
+            events = self._decode(reqs) if reqs else []
+        for req in self.scheduler.release_finished():
+            self._requests.pop(req.id, None)
+        return events
+
+    def _prefill(self, chunks):
+        T = round_up(sum(n for _, n in chunks), self.prefill_buckets)
+        S = self.prefill_seqs
+        seqs = [
+            (np.asarray(r.prompt_ids[r.num_cached : r.num_cached + n]), r.num_cached, self.pool.pages(r.id))
+            for r, n in chunks
+        ]
+        batch = build_forward_batch(
+            seqs, page_size=self.pool.page_size, num_tokens=T, num_seqs=S, pages_per_seq=self.pages_per_seq
+        )
+        reqs = [r for r, _ in chunks]
+        sampling = sampling_arrays(
+            [r.params for r in reqs], [r.seed for r in reqs], [len(r.prompt_ids) for r in reqs], S
+        )
+        tokens = np.asarray(self.runner.run(batch, sampling))
+        events = []
+        for i, (r, n) in enumerate(chunks):
+            r.num_cached += n
+            if r.num_cached == len(r.prompt_ids):
+                r.status = Status.DECODE
+                events.append((r, r.append_tokens([tokens[i]])))
+        return events
+
+    def _decode(self, reqs):
+        B = round_up(len(reqs), self.decode_buckets)
+        seqs = [(np.asarray(r.output_ids[-1:]), r.total_len - 1, self.pool.pages(r.id)) for r in reqs]
+        batch = build_forward_batch(
+            seqs, page_size=self.pool.page_size, num_tokens=B, num_seqs=B, pages_per_seq=self.pages_per_seq
+        )
+        sampling = sampling_arrays([r.params for r in reqs], [r.seed for r in reqs], [r.total_len for r in reqs], B)
+        tokens = np.asarray(self.runner.run(batch, sampling))
+        events = []
+        for i, r in enumerate(reqs):
+            r.num_cached += 1
+            events.append((r, r.append_tokens([tokens[i]])))
+        return events
+
+    # -- batch API ------------------------------------------------------------------------
+    def generate(self, prompts, sampling: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationResult]:
+        """Generate for every prompt (a string or a list of token ids); results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequestError("need one SamplingParams per prompt")
+        # Validate everything before queueing anything, so one bad prompt harms no other.
+        for p, sp in zip(prompts, params):
+            self.encode_prompt(p)
+            (dataclasses.replace(sp) if sp else SamplingParams()).validate()
+        reqs = []
+        for p, sp in zip(prompts, params):
+            rid = self.add_request(p, sp)
+            reqs.append(self._requests[rid])
+        t0 = time.perf_counter()
+        while any(r.status is not Status.FINISHED for r in reqs):
+            self.step()
+        wall = time.perf_counter() - t0
+        n = sum(len(r.output_ids) for r in reqs)
+        self.last_generate_stats = {"wall_s": wall, "completion_tokens": n, "tokens_per_s": n / wall if wall else None}
+        return [r.result() for r in reqs]

@@ -1,0 +1,113 @@
+"""ModelRunner: the target's parameters, its KV cache and one compiled executable per shape bucket.
+
+Each bucket (tokens T, sequences S, logits rows R) is lowered and compiled ahead of time at
+start-up with the KV cache donated, the XLA analogue of capturing a CUDA graph per batch size.
+The persistent compilation cache makes restarts cheap.  A step is dispatched by picking the
+smallest bucket that holds the batch, so a small batch really runs a small executable.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax.forward_batch import ForwardBatch, shape_struct
+from dspark_jax.kv_cache import KVCache
+from dspark_jax.models.qwen3 import Qwen3ForCausalLM
+from dspark_jax.sampling import sample
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CACHE_DIR = Path(os.environ.get("DSPARK_JAX_CACHE", Path.home() / ".cache" / "dspark_jax")) / "xla"
+
+
+def enable_compilation_cache(path: str | Path | None = None) -> None:
+    """Turn on JAX's persistent compilation cache (every executable, however quick to compile)."""
+    path = Path(path or DEFAULT_CACHE_DIR)
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def round_up(value: int, buckets: list[int]) -> int:
+    i = bisect.bisect_left(buckets, value)
+    if i == len(buckets):
+        raise ValueError(f"{value} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+def batch_ladder(max_value: int, start: int = 1) -> list[int]:
+    """Powers of two from `start` up to `max_value`, with `max_value` itself as the last bucket."""
+    out, v = [], start
+    while v < max_value:
+        out.append(v)
+        v *= 2
+    return out + [max_value]
+
+
+def _sampling_struct(rows: int):
+    s = jax.ShapeDtypeStruct
+    return (
+        s((rows,), np.float32),
+        s((rows,), np.int32),
+        s((rows,), np.float32),
+        s((rows,), np.uint32),
+        s((rows,), np.int32),
+    )
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen3ForCausalLM, cache: KVCache, *, pages_per_seq: int, backend: str):
+        self.graphdef, self.state = nnx.split(model)
+        self.config = model.config
+        self.cache = cache
+        self.pages_per_seq = pages_per_seq
+        self.backend = backend
+        self._compiled: dict[tuple[int, int, int], jax.stages.Compiled] = {}
+        graphdef = self.graphdef
+
+        def step(state, cache, batch: ForwardBatch, sampling):
+            model = nnx.merge(graphdef, state)
+            out = model(cache, batch, backend=backend)
+            return sample(out.logits, *sampling), out.cache
+
+        # Positional donation: the cache buffers are reused in place, never copied.
+        self._jitted = jax.jit(step, donate_argnums=(1,))
+
+    def compile(self, buckets: list[tuple[int, int, int]]) -> float:
+        """Lower and compile every (tokens, seqs, logits rows) bucket; returns seconds spent."""
+        t0 = time.perf_counter()
+        abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+        state_s, cache_s = abstract(self.state), abstract(self.cache)
+        for b in buckets:
+            if b in self._compiled:
+                continue
+            T, S, R = b
+            self._compiled[b] = self._jitted.lower(
+                state_s, cache_s, shape_struct(T, S, self.pages_per_seq, R), _sampling_struct(R)
+            ).compile()
+        dt = time.perf_counter() - t0
+        log.info("compiled %d step buckets in %.1fs", len(buckets), dt)
+        return dt
+
+    def run(self, batch: ForwardBatch, sampling) -> jax.Array:
+        """Dispatch one step; returns the sampled token ids (a device array, not yet read)."""
+        key = (batch.input_ids.shape[0], batch.kv_lens.shape[0], batch.logits_indices.shape[0])
+        fn = self._compiled.get(key)
+        if fn is None:
+            raise KeyError(f"no compiled executable for bucket {key}; compiled: {sorted(self._compiled)}")
+        tokens, self.cache = fn(self.state, self.cache, batch, sampling)
+        return tokens
+
+    @property
+    def compiled_buckets(self) -> list[tuple[int, int, int]]:
+        return sorted(self._compiled)

@@ -1,0 +1,133 @@
+"""A request's life on the host: prompt, generated tokens, stop checks, timing."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from dspark_jax.sampling import SamplingParams
+from dspark_jax.tokenizer import IncrementalDecoder, Tokenizer
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not admitted: no slot or KV pages yet
+    PREFILL = "prefill"  # admitted, prompt (partly) not yet in the cache
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated ids only (a final EOS / stop id included)
+    text: str
+    finish_reason: str  # "stop" (EOS, stop id or stop string), "length", "abort"
+    stats: dict
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        tokenizer: Tokenizer | None,
+        eos_ids: frozenset[int],
+        max_model_len: int,
+    ):
+        self.id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.seed = seed
+        self.status = Status.WAITING
+        self.output_ids: list[int] = []
+        self.num_cached = 0  # tokens whose K/V are in the cache
+        self.finish_reason: str | None = None
+        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
+        # Never generate past the model's context: the last token needs a position < max_model_len.
+        self.max_new = min(params.max_new_tokens, max_model_len - len(self.prompt_ids))
+        self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
+        self.text = ""
+        self.t_arrival = time.perf_counter()
+        self.t_first_token: float | None = None
+        self.t_finish: float | None = None
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def reserve_tokens(self) -> int:
+        """KV slots this request can ever need: admission reserves them up front."""
+        return len(self.prompt_ids) + self.max_new
+
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def append_tokens(self, ids) -> list[int]:
+        """Commit generated tokens one by one, stopping at the first stop condition.
+
+        Returns the ids actually committed (a multi-token commit, as speculative decoding
+        produces, is cut at an EOS or stop string inside it)."""
+        committed = []
+        for t in ids:
+            if self.status is Status.FINISHED:
+                break
+            t = int(t)
+            if self.t_first_token is None:
+                self.t_first_token = time.perf_counter()
+            self.output_ids.append(t)
+            committed.append(t)
+            self._check_stop(t)
+        return committed
+
+    def _check_stop(self, t: int) -> None:
+        if self.decoder is not None:
+            before = len(self.text)
+            self.text += self.decoder.push([t])
+            if self.params.stop:
+                longest = max(len(s) for s in self.params.stop)
+                window_start = max(0, before - longest + 1)
+                hits = [i for s in self.params.stop if (i := self.text.find(s, window_start)) >= 0]
+                if hits:
+                    self.text = self.text[: min(hits)]
+                    return self.finish("stop")
+        if t in self.stop_ids:
+            return self.finish("stop")
+        if len(self.output_ids) >= self.max_new:
+            return self.finish("length")
+
+    def finish(self, reason: str) -> None:
+        if self.status is Status.FINISHED:
+            return
+        if self.decoder is not None and reason != "stop":
+            self.text += self.decoder.flush()
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.t_finish = time.perf_counter()
+
+    def result(self) -> GenerationResult:
+        end = self.t_finish or time.perf_counter()
+        ttft = (self.t_first_token - self.t_arrival) if self.t_first_token else None
+        n = len(self.output_ids)
+        decode_time = (end - self.t_first_token) if self.t_first_token else 0.0
+        return GenerationResult(
+            request_id=self.id,
+            prompt_token_ids=self.prompt_ids,
+            token_ids=list(self.output_ids),
+            text=self.text,
+            finish_reason=self.finish_reason or "abort",
+            stats={
+                "prompt_tokens": len(self.prompt_ids),
+                "completion_tokens": n,
+                "ttft_s": ttft,
+                "latency_s": end - self.t_arrival,
+                "decode_tokens_per_s": (n - 1) / decode_time if n > 1 and decode_time > 0 else None,
+            },
+        )

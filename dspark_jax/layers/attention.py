@@ -1,0 +1,68 @@
+"""Paged attention for one layer: write the new K/V into the cache, then attend over it.
+
+The cache stays stacked over layers ([L, N, page_size, Hkv, D]) and is indexed by a traced
+layer id, so the ``lax.scan`` over layers updates the donated buffer in place and never slices
+out a per-layer copy.  Two interchangeable backends compute the attention itself:
+
+- ``reference``: plain jnp (pallas_kernels/ragged_paged_attention/reference.py); the CPU path.
+- ``pallas``: the Pallas Triton ragged paged attention kernel; the default on GPU.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from dspark_jax.forward_batch import ForwardBatch
+from pallas_kernels.ragged_paged_attention.reference import (
+    ragged_paged_attention_reference,
+    write_kv_pages_reference,
+)
+
+BACKENDS = ("reference", "pallas")
+
+
+def resolve_backend(name: str) -> str:
+    """"auto" means the Pallas kernel on GPU and the jnp reference elsewhere."""
+    if name == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS + ('auto',)}")
+    return name
+
+
+def _attention_fn(backend: str):
+    if backend == "pallas":
+        from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention
+
+        return ragged_paged_attention
+    return ragged_paged_attention_reference
+
+
+def paged_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    batch: ForwardBatch,
+    layer: jax.Array,
+    *,
+    sm_scale: float,
+    backend: str,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [T,Hq,D], k/v [T,Hkv,D] -> (out [T,Hq,D], k_cache, v_cache)."""
+    k_cache, v_cache = write_kv_pages_reference(
+        k_cache, v_cache, k, v, batch.slot_mapping, layer=layer
+    )
+    out = _attention_fn(backend)(
+        q,
+        k_cache,
+        v_cache,
+        batch.kv_lens,
+        batch.page_table,
+        batch.cu_q_lens,
+        batch.num_seqs,
+        sm_scale=sm_scale,
+        layer=layer,
+    )
+    return out, k_cache, v_cache

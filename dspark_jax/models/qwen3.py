@@ -1,0 +1,176 @@
+"""Qwen3 dense decoder as Flax NNX modules with per-layer weights stacked for ``lax.scan``.
+
+One pure forward serves prefill chunks, decode and multi-token verify: the batch is a packed
+ragged buffer (see forward_batch.py), new K/V are written into the paged cache, and attention is
+bottom-right causal per sequence.  The forward can also return the hidden states of chosen
+layers, which the DSpark drafter consumes as context features.
+
+Tap convention (as DeepSpec's hooks): layer id ``l`` is the output of decoder layer ``l``
+(pre final norm); ``-1`` is the embedding output.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.config import Qwen3Config
+from dspark_jax.forward_batch import ForwardBatch
+from dspark_jax.kv_cache import KVCache
+from dspark_jax.layers.attention import paged_attention
+from dspark_jax.layers.norm import RMSNorm
+from dspark_jax.layers.rotary import apply_rope, rope_cos_sin
+
+
+def _linear(din: int, dout: int, *, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(
+        din,
+        dout,
+        use_bias=bias,
+        dtype=dtype,
+        param_dtype=dtype,
+        kernel_init=nnx.initializers.normal(0.02),
+        rngs=rngs,
+    )
+
+
+class Qwen3Attention(nnx.Module):
+    def __init__(self, cfg: Qwen3Config, *, dtype, rngs: nnx.Rngs):
+        d, D = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
+        self.q_proj = _linear(d, self.num_heads * D, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = _linear(d, self.num_kv_heads * D, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = _linear(d, self.num_kv_heads * D, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = _linear(self.num_heads * D, d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.q_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.k_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
+
+    def __call__(self, x, cos, sin, cache: KVCache, batch: ForwardBatch, layer, *, backend: str):
+        T = x.shape[0]
+        q = self.q_norm(self.q_proj(x).reshape(T, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).reshape(T, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).reshape(T, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out, kc, vc = paged_attention(
+            q, k, v, cache.k, cache.v, batch, layer, sm_scale=self.head_dim**-0.5, backend=backend
+        )
+        return self.o_proj(out.reshape(T, -1)), KVCache(kc, vc)
+
+
+class Qwen3MLP(nnx.Module):
+    def __init__(self, cfg: Qwen3Config, *, dtype, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _linear(d, f, bias=False, dtype=dtype, rngs=rngs)
+        self.up_proj = _linear(d, f, bias=False, dtype=dtype, rngs=rngs)
+        self.down_proj = _linear(f, d, bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen3DecoderLayer(nnx.Module):
+    def __init__(self, cfg: Qwen3Config, *, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = Qwen3Attention(cfg, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = Qwen3MLP(cfg, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, cache, batch, layer, *, backend: str):
+        attn, cache = self.self_attn(self.input_layernorm(x), cos, sin, cache, batch, layer, backend=backend)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, cache
+
+
+class ForwardOutput(NamedTuple):
+    logits: jax.Array  # [R, V] fp32 at batch.logits_indices
+    hidden: jax.Array  # [T, d] final-normed hidden state of every row
+    taps: jax.Array  # [len(tap_layers), T, d] raw hidden states of the tapped layers
+    cache: KVCache
+
+
+class Qwen3ForCausalLM(nnx.Module):
+    def __init__(self, cfg: Qwen3Config, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
+        self.config = cfg
+        self.dtype = dtype
+        self.embed_tokens = nnx.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=dtype,
+            param_dtype=dtype,
+            embedding_init=nnx.initializers.normal(0.02),
+            rngs=rngs,
+        )
+
+        @nnx.split_rngs(splits=cfg.num_hidden_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_layers(rngs: nnx.Rngs):
+            return Qwen3DecoderLayer(cfg, dtype=dtype, rngs=rngs)
+
+        self.layers = make_layers(rngs)
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else _linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
+        )
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """LM head on final-normed hidden states, in fp32."""
+        if self.lm_head is None:
+            w = self.embed_tokens.embedding[...]
+            return jnp.einsum("td,vd->tv", h, w, preferred_element_type=jnp.float32)
+        return self.lm_head(h).astype(jnp.float32)
+
+    def __call__(
+        self,
+        cache: KVCache,
+        batch: ForwardBatch,
+        *,
+        tap_layers: tuple[int, ...] = (),
+        backend: str = "reference",
+    ) -> ForwardOutput:
+        cfg = self.config
+        batch = ForwardBatch(*(jnp.asarray(a) for a in batch))
+        x = self.embed_tokens(batch.input_ids)
+        cos, sin = rope_cos_sin(batch.positions, cfg.head_dim, cfg.rope_theta)
+        L = cfg.num_hidden_layers
+        for t in tap_layers:
+            if not -1 <= t < L:
+                raise ValueError(f"tap layer {t} out of range [-1, {L})")
+        # tap_slot[l] = where layer l's output goes in the tap buffer (or -1).
+        tap_slot = jnp.full((L,), -1, jnp.int32)
+        for i, t in enumerate(tap_layers):
+            if t >= 0:
+                tap_slot = tap_slot.at[t].set(i)
+        taps = jnp.zeros((len(tap_layers), x.shape[0], cfg.hidden_size), x.dtype)
+        for i, t in enumerate(tap_layers):
+            if t == -1:
+                taps = taps.at[i].set(x)
+
+        layer_def, layer_state = nnx.split(self.layers)
+
+        def body(carry, xs):
+            h, kc, vc, taps = carry
+            state, layer = xs
+            h, cache_l = nnx.merge(layer_def, state)(h, cos, sin, KVCache(kc, vc), batch, layer, backend=backend)
+            if len(tap_layers):
+                slot = tap_slot[layer]
+                s = jnp.maximum(slot, 0)
+                taps = taps.at[s].set(jnp.where(slot >= 0, h, taps[s]))
+            return (h, cache_l.k, cache_l.v, taps), None
+
+        (x, kc, vc, taps), _ = jax.lax.scan(
+            body, (x, cache.k, cache.v, taps), (layer_state, jnp.arange(L, dtype=jnp.int32))
+        )
+        hidden = self.norm(x)
+        logits = self.logits(hidden[batch.logits_indices])
+        return ForwardOutput(logits, hidden, taps, KVCache(kc, vc))
+
+
+def abstract_model(cfg: Qwen3Config, dtype) -> Qwen3ForCausalLM:
+    """The model's structure with ShapeDtypeStruct leaves (no memory), for loading weights."""
+    return nnx.eval_shape(lambda: Qwen3ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))

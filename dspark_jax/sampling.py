@@ -1,0 +1,94 @@
+"""Sampling parameters (host) and the batched, per-request-seeded sampler (device).
+
+Each row's random key is ``fold_in(PRNGKey(seed), position)``, where position is the absolute
+position of the token being sampled, so a request's output depends only on its own seed and
+tokens, never on which other requests share the batch or on the step count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.errors import InvalidRequestError
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means no top-k cut
+    top_p: float = 1.0
+    seed: int | None = None  # None: drawn by the engine
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings; excluded from the returned text
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        def bad(msg):
+            raise InvalidRequestError(msg)
+
+        if not isinstance(self.max_new_tokens, (int, np.integer)) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
+            bad(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not (0.0 <= self.temperature < float("inf")):
+            bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
+            bad(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, (int, np.integer)) or not 0 <= self.seed < 2**32):
+            bad(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop strings must be non-empty strings")
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+
+
+
+
+def sampling_arrays(params: list[SamplingParams], seeds: list[int], positions: list[int], rows: int):
+    """Host numpy arrays for `sample`, padded to `rows` (padding rows are greedy)."""
+    temp = np.zeros(rows, np.float32)
+    top_k = np.zeros(rows, np.int32)
+    top_p = np.ones(rows, np.float32)
+    seed = np.zeros(rows, np.uint32)
+    pos = np.zeros(rows, np.int32)
+    for i, (p, s, q) in enumerate(zip(params, seeds, positions)):
+        temp[i], top_k[i], top_p[i], seed[i], pos[i] = p.temperature, p.top_k, p.top_p, s, q
+    return temp, top_k, top_p, seed, pos
+
+
+def _filtered_logits(logits, temperature, top_k, top_p):
+    """Temperature-scaled logits with everything outside top-k / nucleus top-p set to -inf."""
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    V = logits.shape[-1]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # exclusive cumulative mass
+    keep_sorted = mass_before < top_p[:, None]
+    # The smallest logit still inside the nucleus; ties with it stay in.
+    n_keep = jnp.maximum(keep_sorted.sum(-1), 1)
+    pth = jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)
+    threshold = jnp.maximum(kth, pth)
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+
+def sample(logits, temperature, top_k, top_p, seed, position):
+    """logits [R, V] fp32 -> token ids [R] int32.  Rows with temperature 0 take the argmax."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def stochastic(_):
+        filt = _filtered_logits(logits, temperature, top_k, top_p)
+        keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seed, position)
+        drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, filt).astype(jnp.int32)
+        return jnp.where(temperature > 0, drawn, greedy)
+
+    # The sort/top-p work only runs when some row samples: greedy batches skip it on device.
+    return jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda _: greedy, None)

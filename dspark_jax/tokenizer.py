@@ -1,0 +1,97 @@
+"""Tokenizer wrapper over Hugging Face `tokenizers` (tokenizer.json), with streaming detokenization.
+
+Streaming text must never emit half a UTF-8 character: a byte-level BPE token can end inside a
+multi-byte character, which decodes to U+FFFD until the next token completes it.  ``IncrementalDecoder``
+holds such a tail back, so concatenating its deltas equals decoding the whole sequence.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from dspark_jax.errors import CheckpointError
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class Tokenizer:
+    def __init__(self, tok: HFTokenizer, *, eos_token_ids: tuple[int, ...] = (), chat_template: str | None = None):
+        self._tok = tok
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "Tokenizer":
+        folder = Path(folder)
+        path = folder / TOKENIZER_FILE
+        if not path.exists():
+            raise CheckpointError(f"{folder}: {TOKENIZER_FILE} is missing")
+        try:
+            tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception on parse errors
+            raise CheckpointError(f"{path}: cannot parse tokenizer ({e})") from None
+        eos: list[int] = []
+        template = None
+        cfg_path = folder / "tokenizer_config.json"
+        if cfg_path.exists():
+            try:
+                tcfg = json.loads(cfg_path.read_text())
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+            template = tcfg.get("chat_template")
+            eos_tok = tcfg.get("eos_token")
+            if isinstance(eos_tok, dict):
+                eos_tok = eos_tok.get("content")
+            if isinstance(eos_tok, str) and tok.token_to_id(eos_tok) is not None:
+                eos.append(tok.token_to_id(eos_tok))
+        return cls(tok, eos_token_ids=tuple(eos), chat_template=template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+
+class IncrementalDecoder:
+    """Turns a growing list of token ids into text deltas that are always whole characters.
+
+    Decodes only a short window of recent tokens each time (prefix_offset..), so cost per token
+    stays constant instead of growing with the output length.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+
+    def push(self, token_ids) -> str:
+        self.ids.extend(int(t) for t in token_ids)
+        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tok.decode(self.ids[self.prefix_offset :])
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""
+        delta = full[len(prefix) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Emit whatever is held back (a dangling partial character decodes as U+FFFD)."""
+        full = self.tok.decode(self.ids)
+        delta = full[len(self.text) :] if full.startswith(self.text) else ""
+        self.text += delta
+        return delta

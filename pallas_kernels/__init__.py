@@ -1,0 +1,1 @@
+"""Pallas GPU kernels, each beside a plain-jnp reference with the same signature."""

@@ -1,0 +1,67 @@
+"""Shared fixtures: small Qwen3 checkpoints written by transformers (the independent reference)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path
+
+import jax
+import pytest
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+TOKENIZER_TEXTS = None
+
+
+def _tokenizer_texts():
+    global TOKENIZER_TEXTS
+    if TOKENIZER_TEXTS is None:
+        root = Path(__file__).resolve().parents[1] / "dspark_jax"
+        TOKENIZER_TEXTS = [p.read_text() for p in sorted(root.rglob("*.py"))]
+    return TOKENIZER_TEXTS
+
+
+def write_hf_qwen3(folder: Path, *, vocab_size=384, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
+                   tie=False, seed=0, max_pos=512, dtype="float32", shard=False, bias=False) -> Path:
+    """A random Qwen3ForCausalLM saved by transformers, plus a real byte-level BPE tokenizer."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dspark_jax.tiny_model import train_byte_bpe
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = train_byte_bpe(_tokenizer_texts(), vocab_size)
+    tok.save(str(folder / "tokenizer.json"))
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(
+        vocab_size=tok.get_vocab_size(), hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim, max_position_embeddings=max_pos, tie_word_embeddings=tie,
+        rope_theta=10000.0, attention_bias=bias, eos_token_id=0, bos_token_id=1, pad_token_id=2,
+    )
+    model = Qwen3ForCausalLM(cfg).to(getattr(torch, dtype)).eval()
+    # Bigger-than-default weights so logits are far from uniform and argmax ties are unlikely.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(folder, max_shard_size="100KB" if shard else "10GB")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def hf_model_dir(tmp_path_factory):
+    return write_hf_qwen3(tmp_path_factory.mktemp("qwen3") / "m")
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(hf_model_dir):
+    from dspark_jax.engine import Engine, EngineConfig
+
+    return Engine.from_pretrained(hf_model_dir, EngineConfig(max_running_requests=4, max_prefill_tokens=64, max_model_len=256))

@@ -1,0 +1,39 @@
+"""`python -m dspark_jax.generate` end to end, in a subprocess like a user would run it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from dspark_jax.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "dspark_jax.generate", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_json_lines_in_prompt_order(hf_model_dir, tiny_engine):
+    p = _run("--model-path", str(hf_model_dir), "--prompt", "def f(x):", "--prompt-ids", "5,6,7",
+             "--max-new-tokens", "6", "--ignore-eos", "--max-model-len", "256", "--json")
+    assert p.returncode == 0, p.stderr
+    lines = [json.loads(l) for l in p.stdout.strip().splitlines()]
+    assert len(lines) == 2
+    want = tiny_engine.generate(["def f(x):", [5, 6, 7]], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    for got, w in zip(lines, want):
+        assert got["token_ids"] == w.token_ids and got["text"] == w.text and got["finish_reason"] == "length"
+
+
+def test_bad_arguments_exit_nonzero_with_message(hf_model_dir, tmp_path):
+    p = _run("--model-path", str(tmp_path / "missing"), "--prompt", "x")
+    assert p.returncode == 1 and "does not exist" in p.stderr
+    p = _run("--model-path", str(hf_model_dir), "--prompt", "x", "--max-new-tokens", "0")
+    assert p.returncode == 1 and "max_new_tokens" in p.stderr
+    p = _run("--model-path", str(hf_model_dir), "--prompt-ids", "1,x")
+    assert p.returncode == 2 and "comma-separated" in p.stderr

@@ -1,0 +1,129 @@
+"""Engine behaviour: continuous batching, sampling controls, stop conditions, bad input."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+import pytest
+
+from dspark_jax.engine import Engine, EngineConfig
+from dspark_jax.errors import InvalidRequestError
+from dspark_jax.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
+
+
+def _prompts(engine, n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, engine.config.vocab_size, size=int(rng.integers(1, 40))).tolist() for _ in range(n)]
+
+
+def test_continuous_batching_equals_isolated_runs(tiny_engine):
+    prompts = _prompts(tiny_engine, 7)
+    batched = tiny_engine.generate(prompts, GREEDY)  # 7 requests through 4 slots
+    for p, r in zip(prompts, batched):
+        alone = tiny_engine.generate([p], GREEDY)[0]
+        assert r.token_ids == alone.token_ids
+        assert len(r.token_ids) == 12 and r.finish_reason == "length"
+    tiny_engine.pool.check_invariants()
+    assert tiny_engine.pool.num_free_pages == tiny_engine.pool.num_usable_pages
+
+
+def test_small_kv_pool_makes_requests_wait_not_corrupt(hf_model_dir, tiny_engine):
+    # Room for about one request at a time: the rest must queue and still come out right.
+    small = Engine.from_pretrained(hf_model_dir, EngineConfig(max_running_requests=4, max_prefill_tokens=64,
+                                                              max_model_len=256, page_size=8, num_pages=8))
+    prompts = _prompts(tiny_engine, 5, seed=3)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    got = small.generate(prompts, params)
+    want = tiny_engine.generate(prompts, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    with pytest.raises(InvalidRequestError, match="whole pool"):
+        small.add_request(prompts[0], SamplingParams(max_new_tokens=200))
+    small.pool.check_invariants()
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_engine):
+    p = _prompts(tiny_engine, 1, seed=5)[0]
+    mk = lambda seed: SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.95, top_k=50, seed=seed, ignore_eos=True)
+    alone = tiny_engine.generate([p], mk(7))[0].token_ids
+    mixed = tiny_engine.generate([p, p, p], [mk(7), mk(8), mk(7)])
+    assert mixed[0].token_ids == alone == mixed[2].token_ids
+    assert mixed[1].token_ids != alone
+
+
+def test_stop_token_ids_and_strings(tiny_engine):
+    p = _prompts(tiny_engine, 1, seed=11)[0]
+    full = tiny_engine.generate([p], SamplingParams(max_new_tokens=20, ignore_eos=True))[0]
+    stop_id = full.token_ids[5]
+    first = full.token_ids.index(stop_id)
+    r = tiny_engine.generate([p], SamplingParams(max_new_tokens=20, ignore_eos=True, stop_token_ids=(stop_id,)))[0]
+    assert r.token_ids == full.token_ids[: first + 1] and r.finish_reason == "stop"
+    # A stop string taken from the middle of the text ends generation; it is not in the output.
+    text = full.text
+    assert len(text) > 8
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    r = tiny_engine.generate([p], SamplingParams(max_new_tokens=20, ignore_eos=True, stop=(stop,)))[0]
+    assert r.finish_reason == "stop" and r.text == text[: text.find(stop)]
+    assert full.token_ids[: len(r.token_ids)] == r.token_ids
+
+
+def test_eos_stops_unless_ignored(tiny_engine):
+    p = _prompts(tiny_engine, 1, seed=12)[0]
+    full = tiny_engine.generate([p], SamplingParams(max_new_tokens=16, ignore_eos=True))[0]
+    eos = full.token_ids[3]
+    engine_eos = tiny_engine.eos_ids
+    tiny_engine.eos_ids = frozenset({eos})
+    try:
+        r = tiny_engine.generate([p], SamplingParams(max_new_tokens=16))[0]
+    finally:
+        tiny_engine.eos_ids = engine_eos
+    assert r.token_ids == full.token_ids[: full.token_ids.index(eos) + 1] and r.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ("", None, "empty"),
+        ([], None, "empty"),
+        ([5, 10**6], None, "outside the vocabulary"),
+        ([5, -1], None, "outside the vocabulary"),
+        ([5] * 256, None, "context"),
+        ([5], SamplingParams(max_new_tokens=0), "max_new_tokens"),
+        ([5], SamplingParams(temperature=-1.0), "temperature"),
+        ([5], SamplingParams(top_p=0.0), "top_p"),
+        ([5], SamplingParams(top_k=-2), "top_k"),
+        ("x", SamplingParams(stop=("",)), "stop"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors_and_harm_nothing(tiny_engine, prompt, params, match):
+    good = _prompts(tiny_engine, 1, seed=13)[0]
+    with pytest.raises(InvalidRequestError, match=match):
+        tiny_engine.generate([good, prompt], [GREEDY, params or GREEDY])
+    assert not tiny_engine.has_unfinished()
+    assert tiny_engine.generate([good], GREEDY)[0].finish_reason == "length"
+
+
+def test_generation_stops_at_context_length(tiny_engine):
+    p = [7] * (tiny_engine.max_model_len - 3)
+    r = tiny_engine.generate([p], SamplingParams(max_new_tokens=50, ignore_eos=True))[0]
+    assert len(r.token_ids) == 3 and r.finish_reason == "length"
+
+
+def test_no_compilation_after_startup(tiny_engine, caplog):
+    prompts = _prompts(tiny_engine, 6, seed=21)
+    tiny_engine.generate(prompts, GREEDY)  # warm any host-side eager paths
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        tiny_engine.generate(prompts, [GREEDY, SamplingParams(max_new_tokens=5, temperature=0.8, seed=1)] * 3)
+    compiles = [r.message for r in caplog.records if "Compiling" in r.message]
+    assert not compiles, compiles
+
+
+def test_results_carry_timing_stats(tiny_engine):
+    r = tiny_engine.generate(_prompts(tiny_engine, 1, seed=4), GREEDY)[0]
+    s = r.stats
+    assert s["completion_tokens"] == 12 and s["ttft_s"] > 0 and s["latency_s"] >= s["ttft_s"]
+    assert s["decode_tokens_per_s"] > 0
+    assert tiny_engine.last_generate_stats["completion_tokens"] == 12

@@ -1,0 +1,87 @@
+"""The packed, paged forward equals an unpacked full recompute, sequence by sequence."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspark_jax.forward_batch import build_forward_batch
+from dspark_jax.kv_cache import allocate_kv_cache
+from dspark_jax.models.qwen3 import Qwen3ForCausalLM
+from dspark_jax.tiny_model import tiny_config
+
+PAGE = 4
+
+
+def full_recompute_logits(model, cfg, ids):
+    n = len(ids)
+    pages = list(range(1, -(-n // PAGE) + 1))
+    cache = allocate_kv_cache(cfg, len(pages) + 1, PAGE, jnp.float32)
+    b = build_forward_batch([(np.asarray(ids), 0, pages)], page_size=PAGE, num_tokens=n, num_seqs=1,
+                            pages_per_seq=len(pages), logits_rows="all")
+    return np.asarray(model(cache, b).logits)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_ragged_batch_equals_full_recompute(seed):
+    rng = np.random.default_rng(seed)
+    cfg = tiny_config(101, num_attention_heads=4, num_key_value_heads=1 + seed, head_dim=8, tie_word_embeddings=bool(seed))
+    model = Qwen3ForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))
+    # Sequences: (cached context length, new tokens this step) covering decode, verify, prefill chunk.
+    shapes = [(9, 1), (0, 13), (6, 4), (17, 8), (3, 1), (0, 2)]
+    seqs = [rng.integers(3, cfg.vocab_size, size=c + q) for c, q in shapes]
+    num_pages = 64
+    cache = allocate_kv_cache(cfg, num_pages, PAGE, jnp.float32)
+    free = list(rng.permutation(np.arange(1, num_pages)))  # shuffled pages, sentinel 0 never used
+    pages = [[int(free.pop()) for _ in range(-(-len(s) // PAGE))] for s in seqs]
+    pages_per_seq = max(len(p) for p in pages) + 1
+
+    # Step 1: write the contexts in two ragged chunked-prefill steps.
+    for lo, hi in [(0, 0.5), (0.5, 1.0)]:
+        items = []
+        for (c, _), s, p in zip(shapes, seqs, pages):
+            a, b = int(c * lo), int(c * hi)
+            if b > a:
+                items.append((s[a:b], a, p))
+        fb = build_forward_batch(items, page_size=PAGE, num_tokens=48, num_seqs=8, pages_per_seq=pages_per_seq)
+        cache = model(cache, fb).cache
+
+    # Step 2: one packed step with every sequence's new tokens, padded rows and padded sequences.
+    items = [(s[c:], c, p) for (c, _), s, p in zip(shapes, seqs, pages)]
+    fb = build_forward_batch(items, page_size=PAGE, num_tokens=40, num_seqs=8, pages_per_seq=pages_per_seq,
+                             logits_rows="all", num_logits=40)
+    out = model(cache, fb)
+    logits = np.asarray(out.logits)
+    row = 0
+    for (c, q), s in zip(shapes, seqs):
+        ref = full_recompute_logits(model, cfg, s)
+        np.testing.assert_allclose(logits[row : row + q], ref[c:], rtol=2e-4, atol=2e-4)
+        row += q
+    assert np.isfinite(logits).all()
+
+    # The cache holds each sequence's K/V exactly where its page table says.
+    k = np.asarray(out.cache.k)
+    for (c, q), s, p in zip(shapes, seqs, pages):
+        n = c + q
+        ref_cache = allocate_kv_cache(cfg, len(p) + 1, PAGE, jnp.float32)
+        rb = build_forward_batch([(s, 0, list(range(1, len(p) + 1)))], page_size=PAGE, num_tokens=n, num_seqs=1, pages_per_seq=len(p))
+        rk = np.asarray(model(ref_cache, rb).cache.k)
+        ours = k[:, p].reshape(cfg.num_hidden_layers, -1, cfg.num_key_value_heads, cfg.head_dim)[:, :n]
+        want = rk[:, 1:].reshape(cfg.num_hidden_layers, -1, cfg.num_key_value_heads, cfg.head_dim)[:, :n]
+        np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-5)
+
+
+def test_tapped_hidden_states_are_layer_outputs():
+    cfg = tiny_config(64, num_hidden_layers=3)
+    model = Qwen3ForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    ids = np.arange(5, 12)
+    cache = allocate_kv_cache(cfg, 4, PAGE, jnp.float32)
+    fb = build_forward_batch([(ids, 0, [1, 2])], page_size=PAGE, num_tokens=7, num_seqs=1, pages_per_seq=2)
+    out = model(cache, fb, tap_layers=(-1, 0, 2))
+    assert out.taps.shape == (3, 7, cfg.hidden_size)
+    np.testing.assert_allclose(np.asarray(out.taps[0]), np.asarray(model.embed_tokens(jnp.asarray(ids))), rtol=1e-6)
+    # The last tap is the last layer's raw output: final norm of it gives `hidden`.
+    np.testing.assert_allclose(np.asarray(model.norm(out.taps[2])), np.asarray(out.hidden), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(np.asarray(out.taps[1]), np.asarray(out.taps[2]))
