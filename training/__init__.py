@@ -1,0 +1,1 @@
+"""Training pipeline: corpus, tokenizer, pretraining and export of the embedded target model."""
