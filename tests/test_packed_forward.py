@@ -85,3 +85,28 @@ def test_tapped_hidden_states_are_layer_outputs():
     # The last tap is the last layer's raw output: final norm of it gives `hidden`.
     np.testing.assert_allclose(np.asarray(model.norm(out.taps[2])), np.asarray(out.hidden), rtol=1e-5, atol=1e-6)
     assert not np.allclose(np.asarray(out.taps[1]), np.asarray(out.taps[2]))
+
+
+def test_dense_forward_and_unrolled_layers_match_paged_forward():
+    from dspark_jax.models.qwen3 import forward_dense
+
+    cfg = tiny_config(80, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=3)
+    model = Qwen3ForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(4))
+    rng = np.random.default_rng(4)
+    a, b = rng.integers(3, 80, size=9), rng.integers(3, 80, size=7)
+    # Two documents packed in one row: the second must not see the first.
+    ids = np.concatenate([a, b])[None]
+    pos = np.concatenate([np.arange(9), np.arange(7)])[None]
+    seg = np.concatenate([np.zeros(9), np.ones(7)])[None].astype(np.int32)
+    out = forward_dense(model, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(seg), tap_layers=(1,))
+    dense_logits = np.asarray(model.logits(out.hidden[0]))
+    np.testing.assert_allclose(dense_logits[:9], full_recompute_logits(model, cfg, a), rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(dense_logits[9:], full_recompute_logits(model, cfg, b), rtol=2e-4, atol=2e-4)
+    # Unrolled layer loop = scanned layer loop.
+    cache = allocate_kv_cache(cfg, 8, PAGE, jnp.float32)
+    fb = build_forward_batch([(a, 0, [1, 2, 3])], page_size=PAGE, num_tokens=9, num_seqs=1, pages_per_seq=3,
+                             logits_rows="all")
+    scanned = model(cache, fb, tap_layers=(1,))
+    unrolled = model(allocate_kv_cache(cfg, 8, PAGE, jnp.float32), fb, tap_layers=(1,), scan_layers=False)
+    np.testing.assert_allclose(np.asarray(scanned.logits), np.asarray(unrolled.logits), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(scanned.taps[0]), np.asarray(out.taps[0, 0, :9]), rtol=1e-4, atol=1e-4)

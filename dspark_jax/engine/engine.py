@@ -46,6 +46,7 @@ class EngineConfig:
     max_prefill_tokens: int = 512
     max_prefill_seqs: int = 8
     attention_backend: str = "auto"  # auto | pallas | reference
+    scan_layers: bool = True  # False unrolls the layer loop in the compiled step
     dtype: str | None = None  # default: the checkpoint's
     compile_cache_dir: str | None = None
     precompile: bool = True
@@ -66,7 +67,9 @@ class Engine:
         cache = allocate_kv_cache(self.config, num_pages, ec.page_size, model.dtype)
         self.backend = resolve_backend(ec.attention_backend)
         enable_compilation_cache(ec.compile_cache_dir)
-        self.runner = ModelRunner(model, cache, pages_per_seq=self.pages_per_seq, backend=self.backend)
+        self.runner = ModelRunner(
+            model, cache, pages_per_seq=self.pages_per_seq, backend=self.backend, scan_layers=ec.scan_layers
+        )
         self.prefill_seqs = min(ec.max_prefill_seqs, ec.max_running_requests)
         self.decode_buckets = batch_ladder(ec.max_running_requests)
         self.prefill_buckets = batch_ladder(ec.max_prefill_tokens, start=min(16, ec.max_prefill_tokens))

@@ -66,7 +66,8 @@ def _sampling_struct(rows: int):
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3ForCausalLM, cache: KVCache, *, pages_per_seq: int, backend: str):
+    def __init__(self, model: Qwen3ForCausalLM, cache: KVCache, *, pages_per_seq: int, backend: str,
+                 scan_layers: bool = True):
         self.graphdef, self.state = nnx.split(model)
         self.config = model.config
         self.cache = cache
@@ -77,7 +78,7 @@ class ModelRunner:
 
         def step(state, cache, batch: ForwardBatch, sampling):
             model = nnx.merge(graphdef, state)
-            out = model(cache, batch, backend=backend)
+            out = model(cache, batch, backend=backend, scan_layers=scan_layers)
             return sample(out.logits, *sampling), out.cache
 
         # Positional donation: the cache buffers are reused in place, never copied.

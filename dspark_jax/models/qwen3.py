@@ -59,6 +59,16 @@ class Qwen3Attention(nnx.Module):
         )
         return self.o_proj(out.reshape(T, -1)), KVCache(kc, vc)
 
+    def dense(self, x, cos, sin, mask):
+        """Training path: x [B, L, d] without a cache; mask [B, L, L] (True = may attend)."""
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).reshape(B, L, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).reshape(B, L, self.num_kv_heads, self.head_dim)
+        rope = lambda t: apply_rope(t.reshape(B * L, *t.shape[2:]), cos, sin).reshape(t.shape)
+        out = jax.nn.dot_product_attention(rope(q), rope(k), v, mask=mask[:, None], scale=self.head_dim**-0.5)
+        return self.o_proj(out.reshape(B, L, -1))
+
 
 class Qwen3MLP(nnx.Module):
     def __init__(self, cfg: Qwen3Config, *, dtype, rngs: nnx.Rngs):
@@ -83,6 +93,10 @@ class Qwen3DecoderLayer(nnx.Module):
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, cache
+
+    def dense(self, x, cos, sin, mask):
+        x = x + self.self_attn.dense(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class ForwardOutput(NamedTuple):
@@ -132,7 +146,10 @@ class Qwen3ForCausalLM(nnx.Module):
         *,
         tap_layers: tuple[int, ...] = (),
         backend: str = "reference",
+        scan_layers: bool = True,
     ) -> ForwardOutput:
+        """scan_layers=False unrolls the layer loop (static weight slices): a larger program that
+        XLA may schedule better for latency-bound decode; the result is identical."""
         cfg = self.config
         batch = ForwardBatch(*(jnp.asarray(a) for a in batch))
         x = self.embed_tokens(batch.input_ids)
@@ -163,12 +180,57 @@ class Qwen3ForCausalLM(nnx.Module):
                 taps = taps.at[s].set(jnp.where(slot >= 0, h, taps[s]))
             return (h, cache_l.k, cache_l.v, taps), None
 
-        (x, kc, vc, taps), _ = jax.lax.scan(
-            body, (x, cache.k, cache.v, taps), (layer_state, jnp.arange(L, dtype=jnp.int32))
-        )
+        carry = (x, cache.k, cache.v, taps)
+        if scan_layers:
+            carry, _ = jax.lax.scan(body, carry, (layer_state, jnp.arange(L, dtype=jnp.int32)))
+        else:
+            for i in range(L):
+                carry, _ = body(carry, (jax.tree.map(lambda a: a[i], layer_state), jnp.int32(i)))
+        x, kc, vc, taps = carry
         hidden = self.norm(x)
         logits = self.logits(hidden[batch.logits_indices])
         return ForwardOutput(logits, hidden, taps, KVCache(kc, vc))
+
+
+class DenseOutput(NamedTuple):
+    hidden: jax.Array  # [B, L, d] final-normed
+    taps: jax.Array  # [len(tap_layers), B, L, d]
+
+
+def forward_dense(
+    model: "Qwen3ForCausalLM",
+    input_ids: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array | None = None,
+    *,
+    tap_layers: tuple[int, ...] = (),
+    remat: bool = False,
+) -> DenseOutput:
+    """Cache-free causal forward over [B, L] token blocks, for training and teacher forcing.
+
+    Packed documents are separated by ``segment_ids`` (attention never crosses a boundary) and
+    each restarts its own ``positions``.  Logits are left to the caller (``model.logits``) so a
+    loss can be computed in chunks instead of materialising [B, L, V].
+    """
+    cfg = model.config
+    B, L = input_ids.shape
+    x = model.embed_tokens(input_ids)
+    cos, sin = rope_cos_sin(positions.reshape(-1), cfg.head_dim, cfg.rope_theta)
+    mask = jnp.tril(jnp.ones((L, L), bool))[None]
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    mask = jnp.broadcast_to(mask, (B, L, L))
+    layer_def, layer_state = nnx.split(model.layers)
+
+    def body(h, state):
+        h = nnx.merge(layer_def, state).dense(h, cos, sin, mask)
+        return h, h
+
+    if remat:
+        body = jax.checkpoint(body)
+    x_out, per_layer = jax.lax.scan(body, x, layer_state)
+    taps = jnp.stack([x if t == -1 else per_layer[t] for t in tap_layers]) if tap_layers else jnp.zeros((0, B, L, cfg.hidden_size), x.dtype)
+    return DenseOutput(model.norm(x_out), taps)
 
 
 def abstract_model(cfg: Qwen3Config, dtype) -> Qwen3ForCausalLM:

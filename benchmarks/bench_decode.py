@@ -1,0 +1,118 @@
+"""Decode benchmark: per-user and aggregate tok/s over batch sizes, step time against the HBM floor.
+
+Random bf16 weights at a given shape (default Qwen3-8B).  Two measurements per batch size:
+
+- end to end: Engine.generate on random prompts (ignore_eos), which includes host scheduling;
+  per-user tok/s = a request's decode tokens / its decode time, aggregate = sum over requests;
+- device step: the compiled decode executable alone, median over repeats, against the floor
+  = (bytes of weights read + bytes of KV read) / measured copy bandwidth.
+
+    python benchmarks/bench_decode.py --batch-sizes 1 8 64 256 --out-dir $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from benchmarks.common import copy_bandwidth, environment, random_model, time_fn, write_results
+from dspark_jax.config import Qwen3Config
+from dspark_jax.engine import Engine, EngineConfig
+from dspark_jax.engine.model_runner import round_up
+from dspark_jax.forward_batch import build_forward_batch
+from dspark_jax.kv_cache import kv_bytes_per_token
+from dspark_jax.sampling import SamplingParams, sampling_arrays
+
+SHAPES = {
+    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+}
+
+
+def weight_bytes_read(cfg: Qwen3Config, itemsize: int = 2) -> int:
+    """Bytes of weights one decode step reads: everything but the embedding table (a row gather),
+    plus the LM head, which for tied embeddings is that table read in full."""
+    d, f, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    hq, hk, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    per_layer = d * (hq + 2 * hk) * D + hq * D * d + 3 * d * f + 2 * d + 2 * D
+    return itemsize * (L * per_layer + d + cfg.vocab_size * d)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--scan-layers", type=int, default=1)
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--out-dir", action="append", default=[])
+    args = ap.parse_args(argv)
+
+    env = environment()
+    bw = copy_bandwidth()
+    cfg = Qwen3Config(**SHAPES[args.shape], max_position_embeddings=40960, dtype="bfloat16")
+    model = random_model(cfg)
+    max_bs = max(args.batch_sizes)
+    max_len = args.prompt_len + args.new_tokens + 16
+    engine = Engine(model, None, EngineConfig(
+        max_running_requests=max_bs, max_model_len=max_len, page_size=16,
+        max_prefill_tokens=4096, max_prefill_seqs=32, attention_backend=args.attention_backend,
+        scan_layers=bool(args.scan_layers)))
+    print(f"{env['device']} jax {env['jax']} copy bandwidth {bw / 1e12:.2f} TB/s; compile {engine.compile_seconds:.1f}s "
+          f"backend {engine.backend} scan_layers {args.scan_layers}", flush=True)
+    wbytes = weight_bytes_read(cfg)
+    kv_tok = kv_bytes_per_token(cfg, jax.numpy.bfloat16)
+    rng = np.random.default_rng(0)
+    rows = []
+    for bs in tqdm(args.batch_sizes, desc="batch sizes"):
+        prompts = [rng.integers(10, cfg.vocab_size, size=args.prompt_len).tolist() for _ in range(bs)]
+        params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+        engine.generate(prompts[: min(bs, 2)], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm host paths
+        res = engine.generate(prompts, params)
+        per_user = float(np.mean([r.stats["decode_tokens_per_s"] for r in res]))
+        # Device step alone: a decode batch at the mid-generation context length.
+        ctx = args.prompt_len + args.new_tokens // 2
+        pages = [list(range(1 + i * engine.pages_per_seq, 1 + i * engine.pages_per_seq + -(-(ctx + 1) // 16))) for i in range(bs)]
+        B = round_up(bs, engine.decode_buckets)
+        batch = build_forward_batch([(np.array([5]), ctx, p) for p in pages], page_size=16, num_tokens=B, num_seqs=B,
+                                    pages_per_seq=engine.pages_per_seq)
+        batch = jax.device_put(batch)
+        samp = jax.device_put(sampling_arrays([params] * bs, [0] * bs, [ctx] * bs, B))
+        step = time_fn(lambda: engine.runner.run(batch, samp).block_until_ready(), warmup=3, iters=30)
+        floor = (wbytes + bs * (ctx + 1) * kv_tok) / bw
+        rows.append(dict(batch=bs, per_user_tok_s=per_user, aggregate_tok_s=per_user * bs,
+                         e2e_wall_tok_s=engine.last_generate_stats["tokens_per_s"], step_ms=step * 1e3,
+                         floor_ms=floor * 1e3, step_over_floor=step / floor, device_tok_s=bs / step))
+        tqdm.write(str({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}))
+    payload = dict(env=env, shape=args.shape, config=SHAPES[args.shape], copy_bandwidth_Bps=bw,
+                   weight_bytes_read=wbytes, kv_bytes_per_token=kv_tok, prompt_len=args.prompt_len,
+                   new_tokens=args.new_tokens, attention_backend=engine.backend, scan_layers=bool(args.scan_layers),
+                   compile_seconds=engine.compile_seconds, rows=rows)
+    md = [f"# Decode benchmark: {args.shape}, random bf16 weights\n",
+          f"{env['device']}, jax {env['jax']}, {env['date']}, commit {env['commit']}; attention {engine.backend}, "
+          f"scan_layers={bool(args.scan_layers)}; measured copy bandwidth {bw / 1e12:.2f} TB/s; prompt {args.prompt_len}, "
+          f"{args.new_tokens} new tokens. Floor = (weights {wbytes / 1e9:.2f} GB + KV read) / bandwidth.\n",
+          "| batch | per-user tok/s | aggregate tok/s | device step ms | HBM floor ms | step / floor |",
+          "|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        md.append(f"| {r['batch']} | {r['per_user_tok_s']:.1f} | {r['aggregate_tok_s']:.0f} | {r['step_ms']:.3f} | "
+                  f"{r['floor_ms']:.3f} | {r['step_over_floor']:.2f} |")
+    name = f"decode_{args.shape}_{env['platform']}{args.tag}"
+    for p in write_results(name, payload, "\n".join(md) + "\n", args.out_dir):
+        print("wrote", p)
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Shared benchmark plumbing: environment facts, bandwidth ceiling, random models, result files."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def git_commit() -> str:
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, cwd=Path(__file__).parent).strip()
+    except Exception:
+        return "unknown"
+
+
+def environment() -> dict:
+    import flax
+
+    d = jax.devices()[0]
+    return {
+        "device": getattr(d, "device_kind", str(d)),
+        "platform": d.platform,
+        "jax": jax.__version__,
+        "flax": flax.__version__,
+        "python": platform.python_version(),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+    }
+
+
+def time_fn(fn, *, warmup: int = 3, iters: int = 20) -> float:
+    """Median seconds of fn() (which must block until its device work is done)."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def copy_bandwidth(nbytes: int = 4 << 30) -> float:
+    """Device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    t = time_fn(lambda: f(x).block_until_ready(), warmup=3, iters=20)
+    return 2 * nbytes / t
+
+
+def random_model(cfg, dtype=jnp.bfloat16, seed: int = 0):
+    """A model of cfg's shape with N(0, 0.02) weights (norm weights 1), built on device in one jit."""
+    from dspark_jax.models.qwen3 import abstract_model
+
+    graphdef, abs_state = nnx.split(abstract_model(cfg, dtype))
+    leaves, treedef = jax.tree.flatten(abs_state)
+
+    @jax.jit
+    def init(key):
+        keys = jax.random.split(key, len(leaves))
+        out = []
+        for k, leaf in zip(keys, leaves):
+            if leaf.ndim >= 2:
+                out.append((0.02 * jax.random.normal(k, leaf.shape, jnp.float32)).astype(leaf.dtype))
+            else:
+                out.append(jnp.ones(leaf.shape, leaf.dtype))
+        return out
+
+    state = jax.tree.unflatten(treedef, init(jax.random.PRNGKey(seed)))
+    return nnx.merge(graphdef, state)
+
+
+def write_results(name: str, payload: dict, table_md: str, out_dirs=()) -> list[Path]:
+    paths = []
+    for d in (RESULTS, *map(Path, out_dirs)):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
+        (d / f"{name}.md").write_text(table_md)
+        paths += [d / f"{name}.json", d / f"{name}.md"]
+    return paths
