@@ -13,15 +13,23 @@ from dspark_jax.models.qwen3 import Qwen3ForCausalLM
 from dspark_jax.tiny_model import tiny_config
 
 PAGE = 4
+BUCKET = 32  # one compiled shape for every full recompute; padding rows are ignored
+
+
+@nnx.jit(static_argnames=("scan_layers",))
+def run(model, cache, batch, scan_layers=True):
+    return model(cache, batch, tap_layers=(1,), scan_layers=scan_layers)
 
 
 def full_recompute_logits(model, cfg, ids):
+    """The whole sequence as one fresh prefill, every row's logits."""
     n = len(ids)
-    pages = list(range(1, -(-n // PAGE) + 1))
+    assert n <= BUCKET
+    pages = list(range(1, BUCKET // PAGE + 1))
     cache = allocate_kv_cache(cfg, len(pages) + 1, PAGE, jnp.float32)
-    b = build_forward_batch([(np.asarray(ids), 0, pages)], page_size=PAGE, num_tokens=n, num_seqs=1,
-                            pages_per_seq=len(pages), logits_rows="all")
-    return np.asarray(model(cache, b).logits)
+    b = build_forward_batch([(np.asarray(ids), 0, pages)], page_size=PAGE, num_tokens=BUCKET, num_seqs=1,
+                            pages_per_seq=len(pages), logits_rows="all", num_logits=BUCKET)
+    return np.asarray(run(model, cache, b).logits)[:n]
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -46,13 +54,13 @@ def test_ragged_batch_equals_full_recompute(seed):
             if b > a:
                 items.append((s[a:b], a, p))
         fb = build_forward_batch(items, page_size=PAGE, num_tokens=48, num_seqs=8, pages_per_seq=pages_per_seq)
-        cache = model(cache, fb).cache
+        cache = run(model, cache, fb).cache
 
     # Step 2: one packed step with every sequence's new tokens, padded rows and padded sequences.
     items = [(s[c:], c, p) for (c, _), s, p in zip(shapes, seqs, pages)]
     fb = build_forward_batch(items, page_size=PAGE, num_tokens=40, num_seqs=8, pages_per_seq=pages_per_seq,
                              logits_rows="all", num_logits=40)
-    out = model(cache, fb)
+    out = run(model, cache, fb)
     logits = np.asarray(out.logits)
     row = 0
     for (c, q), s in zip(shapes, seqs):
@@ -65,9 +73,10 @@ def test_ragged_batch_equals_full_recompute(seed):
     k = np.asarray(out.cache.k)
     for (c, q), s, p in zip(shapes, seqs, pages):
         n = c + q
-        ref_cache = allocate_kv_cache(cfg, len(p) + 1, PAGE, jnp.float32)
-        rb = build_forward_batch([(s, 0, list(range(1, len(p) + 1)))], page_size=PAGE, num_tokens=n, num_seqs=1, pages_per_seq=len(p))
-        rk = np.asarray(model(ref_cache, rb).cache.k)
+        ref_cache = allocate_kv_cache(cfg, BUCKET // PAGE + 1, PAGE, jnp.float32)
+        rb = build_forward_batch([(s, 0, list(range(1, BUCKET // PAGE + 1)))], page_size=PAGE, num_tokens=BUCKET,
+                                 num_seqs=1, pages_per_seq=BUCKET // PAGE, num_logits=1)
+        rk = np.asarray(run(model, ref_cache, rb).cache.k)
         ours = k[:, p].reshape(cfg.num_hidden_layers, -1, cfg.num_key_value_heads, cfg.head_dim)[:, :n]
         want = rk[:, 1:].reshape(cfg.num_hidden_layers, -1, cfg.num_key_value_heads, cfg.head_dim)[:, :n]
         np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-5)
@@ -106,7 +115,7 @@ def test_dense_forward_and_unrolled_layers_match_paged_forward():
     cache = allocate_kv_cache(cfg, 8, PAGE, jnp.float32)
     fb = build_forward_batch([(a, 0, [1, 2, 3])], page_size=PAGE, num_tokens=9, num_seqs=1, pages_per_seq=3,
                              logits_rows="all")
-    scanned = model(cache, fb, tap_layers=(1,))
-    unrolled = model(allocate_kv_cache(cfg, 8, PAGE, jnp.float32), fb, tap_layers=(1,), scan_layers=False)
+    scanned = run(model, cache, fb)
+    unrolled = run(model, allocate_kv_cache(cfg, 8, PAGE, jnp.float32), fb, scan_layers=False)
     np.testing.assert_allclose(np.asarray(scanned.logits), np.asarray(unrolled.logits), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(scanned.taps[0]), np.asarray(out.taps[0, 0, :9]), rtol=1e-4, atol=1e-4)
