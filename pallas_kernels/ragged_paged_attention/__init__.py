@@ -1,8 +1,70 @@
 """Ragged paged attention over a paged KV cache (prefill chunks, decode, multi-token verify)."""
 
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.ragged_paged_attention.kernel import (
+    BlockConfig,
+    block_config,
+    ragged_paged_attention,
+)
 from pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention_reference,
     write_kv_pages_reference,
 )
 
-__all__ = ["ragged_paged_attention_reference", "write_kv_pages_reference"]
+BACKENDS = ("pallas", "reference", "auto")
+
+
+def ragged_paged_attention_op(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    page_table,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale: float,
+    layer=None,
+    backend: str = "pallas",
+    interpret: bool | None = None,
+    **kernel_kwargs,
+):
+    """Dispatch to the Pallas kernel or the jnp reference (same signature and semantics).
+
+    ``backend``: "pallas" (Triton backend; off the GPU it runs in interpret mode unless
+    ``interpret`` says otherwise), "reference", or "auto" (pallas on GPU, else reference).
+    ``kernel_kwargs`` (block_q, block_n, num_splits, num_warps, num_stages) go to the kernel.
+    """
+    if backend == "auto":
+        backend = "pallas" if jax.default_backend() == "gpu" else "reference"
+    if backend == "reference":
+        return ragged_paged_attention_reference(
+            q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs,
+            sm_scale=sm_scale, layer=layer,
+        )
+    if backend == "pallas":
+        if interpret is None:
+            interpret = jax.default_backend() != "gpu"
+        return ragged_paged_attention(
+            q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs,
+            sm_scale=sm_scale, layer=layer, interpret=interpret, **kernel_kwargs,
+        )
+    raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+
+
+# The KV write path stays the XLA scatter (in place on donated caches): see kernel.py.
+write_kv_pages = write_kv_pages_reference
+
+__all__ = [
+    "BACKENDS",
+    "BlockConfig",
+    "block_config",
+    "ragged_paged_attention",
+    "ragged_paged_attention_op",
+    "ragged_paged_attention_reference",
+    "write_kv_pages",
+    "write_kv_pages_reference",
+]

@@ -30,6 +30,11 @@ def _token_geometry(T, kv_lens, cu_q_lens, num_seqs):
     """Per packed row: owning sequence, absolute query position and validity."""
     S = kv_lens.shape[0]
     num_seqs = jnp.reshape(num_seqs, ()).astype(jnp.int32)
+    # Entries past num_seqs may hold anything: clamp them so the binary search below only sees
+    # a monotone array.
+    cu_q_lens = jnp.where(
+        jnp.arange(S + 1) <= num_seqs, cu_q_lens, cu_q_lens[jnp.minimum(num_seqs, S)]
+    )
     rows = jnp.arange(T, dtype=jnp.int32)
     seq = jnp.searchsorted(cu_q_lens[1:], rows, side="right").astype(jnp.int32)
     seq = jnp.minimum(seq, S - 1)
@@ -80,12 +85,16 @@ def ragged_paged_attention_reference(
         v = _gather_pages(v_pages, layer, page_table[seq]).astype(jnp.float32)
         s = jnp.einsum("thgd,tkhd->thgk", qg, k) * sm_scale
         mask = (k_pos[None, :] <= q_pos[:, None]) & valid[:, None]  # [T,K]
+        v = jnp.where(mask[:, :, None, None], v, 0.0)  # 0 * NaN: unowned slots may be garbage
         s = jnp.where(mask[:, None, None, :], s, _MASKED)
         p = jnp.exp(s - s.max(-1, keepdims=True)) * mask[:, None, None, :]
         out = jnp.einsum("thgk,tkhd->thgd", p, v) / jnp.maximum(p.sum(-1), 1e-30)[..., None]
     else:
         k = _gather_pages(k_pages, layer, page_table).astype(jnp.float32)  # [S,K,Hkv,D]
         v = _gather_pages(v_pages, layer, page_table).astype(jnp.float32)
+        live = jnp.arange(S) < jnp.reshape(num_seqs, ()).astype(jnp.int32)
+        owned = (k_pos[None, :] < kv_lens[:, None]) & live[:, None]  # [S,K]
+        v = jnp.where(owned[:, :, None, None], v, 0.0)  # 0 * NaN: unowned slots may be garbage
         s = jnp.einsum("thgd,skhd->thgsk", qg, k) * sm_scale
         mask = (
             (jnp.arange(S)[None, :, None] == seq[:, None, None])

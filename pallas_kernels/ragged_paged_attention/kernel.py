@@ -1,0 +1,411 @@
+"""Ragged paged attention: Pallas kernel on the Triton backend (H200), interpretable on CPU.
+
+Same semantics and layout as ``reference.ragged_paged_attention_reference`` (read its docstring).
+
+Design (after vLLM's Triton "unified attention" and JAX's ``ops/gpu/paged_attention.py``; no
+code taken from either):
+
+* Grid ``(num_q_blocks, Hkv, num_splits)``, all static.  A *query block* is ``block_q``
+  consecutive query tokens of ONE sequence times the ``G = Hq / Hkv`` query heads that share a
+  kv head, packed as the ``BLOCK_M = block_q * next_pow2(G)`` rows of one dot tile (at least 16
+  rows).  ``num_q_blocks = T // block_q + S + 1`` is a static upper bound on the blocks any
+  ragged split of ``T`` rows over ``S`` sequences needs, plus one block so the tier padding rows
+  are always covered.  Program ``b`` finds its sequence in-kernel from ``cu_q_lens`` (sequence
+  ``s`` owns blocks ``[cu[s] // block_q + s, cu[s+1] // block_q + s + 1)``), programs past a
+  sequence's last block return at once (dead programs), and programs past ``num_seqs`` write
+  zeros over the padding rows.
+* No scalar prefetch: ``kv_lens``, ``page_table``, ``cu_q_lens``, ``num_seqs`` and ``layer`` are
+  whole-array int32 inputs read with plain scalar / gather loads.
+* KV tiles of ``block_n`` tokens: every token looks its page up in the page table, so the tile
+  size does not depend on the page size.  K/V loads are masked (tokens past the block's causal
+  end read nothing, so a poisoned sentinel page never enters a dot).  Online softmax in base 2.
+  The stacked ``[L, N, page_size, Hkv, D]`` cache is indexed with the layer scalar inside the
+  kernel: no layer slice is ever copied.
+* Flash decoding: with ``num_splits > 1`` each program covers a contiguous share of its block's
+  KV tiles and writes a normalised partial output plus its log2-sum-exp; a small XLA fusion
+  combines the splits.  The automatic default splits only when ``q blocks * Hkv`` programs
+  cannot fill the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+_LOG2E = math.log2(math.e)
+_NEG = -1e30  # finite "minus infinity" for running maxima and empty log-sum-exps
+_DEFAULT_NUM_SMS = 132  # H200 SXM
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def _is_pow2(x: int) -> bool:
+    return x >= 1 and (x & (x - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+    """Static launch geometry of one problem; every tile the GPU path builds is listed here."""
+
+    block_q: int  # query tokens per program
+    heads_pad: int  # G padded to a power of two
+    block_m: int  # rows of the q tile = block_q * heads_pad (>= 16)
+    block_n: int  # kv tokens per tile
+    head_dim: int
+    meta_len: int  # power-of-two length of the in-kernel cu_q_lens vector load
+    num_q_blocks: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+
+    def grid(self, num_kv_heads: int) -> tuple[int, int, int]:
+        return (self.num_q_blocks, int(num_kv_heads), self.num_splits)
+
+    def tile_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor shape loaded or computed per program (all must be powers of two)."""
+        return {
+            "q": (self.block_m, self.head_dim),
+            "k": (self.block_n, self.head_dim),
+            "v": (self.block_n, self.head_dim),
+            "scores": (self.block_m, self.block_n),
+            "acc": (self.block_m, self.head_dim),
+            "rows": (self.block_m,),
+            "kv_tokens": (self.block_n,),
+            "cu_q_lens": (self.meta_len,),
+        }
+
+    def dot_shapes(self) -> dict[str, tuple[int, int, int]]:
+        """(M, N, K) of each tl.dot: Triton needs every one >= 16."""
+        return {
+            "qk": (self.block_m, self.block_n, self.head_dim),
+            "pv": (self.block_m, self.head_dim, self.block_n),
+        }
+
+
+def _num_sms() -> int:
+    try:
+        dev = jax.devices()[0]
+        if dev.platform == "gpu":
+            return int(getattr(dev, "core_count", _DEFAULT_NUM_SMS) or _DEFAULT_NUM_SMS)
+    except Exception:  # pragma: no cover - no backend
+        pass
+    return _DEFAULT_NUM_SMS
+
+
+def block_config(
+    num_tokens: int,
+    num_seqs_max: int,
+    pages_per_seq: int,
+    page_size: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype,
+    *,
+    block_q: int | None = None,
+    block_n: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    max_block_m: int = 64,
+    num_sms: int | None = None,
+    split_target_waves: float = 4.0,
+    min_tiles_per_split: int = 4,
+    max_splits: int = 32,
+) -> BlockConfig:
+    """Pure function of static shapes: the block sizes the kernel uses for this problem.
+
+    Defaults were tuned on the H200 (bf16, head_dim 128, page size 16; see
+    benchmarks/results/ragged_paged_attention_h200_tune_log.txt): 128-token KV tiles, 4 warps
+    and 3 stages for 16-row q tiles (decode), 8 warps and 2 stages for larger ones (verify);
+    the KV range is split only when ``q blocks x Hkv`` programs are fewer than the SMs, and then
+    into enough splits for ``split_target_waves`` programs per SM.  These are the settings
+    benchmarks/results/ragged_paged_attention_h200.md was measured with.  Lead, not yet
+    adopted: on a 2 GB pool, 4 warps / 2 stages beat 8 / 2 for 32-row tiles by 3-7%
+    (ragged_paged_attention_h200_verify_tile_log.txt); re-check on a > 4 GB pool first.
+    """
+    T, S, P = int(num_tokens), int(num_seqs_max), int(pages_per_seq)
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"query heads {num_q_heads} not a multiple of kv heads {num_kv_heads}")
+    if not _is_pow2(head_dim) or head_dim < 16:
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    G = num_q_heads // num_kv_heads
+    gp = _next_pow2(G)
+    itemsize = jnp.dtype(dtype).itemsize
+    if block_q is None:
+        avg_q = -(-T // max(S, 1))
+        block_q = _next_pow2(avg_q)
+        block_q = min(block_q, max(1, max_block_m // gp))
+        block_q = max(block_q, max(1, 16 // gp))
+    if not _is_pow2(block_q):
+        raise ValueError(f"block_q must be a power of two, got {block_q}")
+    block_m = max(16, block_q * gp)
+    if block_n is None:
+        block_n = 32 if itemsize >= 4 else 128
+    if not _is_pow2(block_n) or block_n < 16:
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if num_warps is None:
+        num_warps = 4 if block_m <= 16 else 8
+    if num_stages is None:
+        num_stages = 3 if block_m <= 16 and itemsize < 4 else 2
+        # K and V tiles per pipeline stage must fit the 227 KB of shared memory per SM.
+        while num_stages > 1 and 2 * block_n * head_dim * itemsize * num_stages > 200 * 1024:
+            num_stages -= 1
+    num_q_blocks = T // block_q + S + 1
+    if num_splits is None:
+        # Programs that do real work, at best: one block per sequence for short rows,
+        # T / block_q when sequences have long query ranges.
+        live_blocks = max(1, min(S, T), -(-T // block_q))
+        programs = live_blocks * num_kv_heads
+        sms = num_sms or _num_sms()
+        if programs >= sms:
+            num_splits = 1
+        else:
+            target = int(split_target_waves * sms)
+            max_tiles = -(-(P * page_size) // block_n)
+            num_splits = max(
+                1, min(-(-target // programs), max_tiles // min_tiles_per_split, max_splits)
+            )
+    return BlockConfig(
+        block_q=int(block_q),
+        heads_pad=gp,
+        block_m=int(block_m),
+        block_n=int(block_n),
+        head_dim=int(head_dim),
+        meta_len=_next_pow2(S + 1),
+        num_q_blocks=int(num_q_blocks),
+        num_splits=int(max(1, num_splits)),
+        num_warps=int(num_warps),
+        num_stages=int(num_stages),
+    )
+
+
+def _kernel(
+    kv_lens_ref,
+    page_table_ref,
+    cu_ref,
+    num_seqs_ref,
+    layer_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    *out_refs,
+    cfg: BlockConfig,
+    num_seqs_max: int,
+    num_tokens: int,
+    group: int,
+    page_size: int,
+    scale_log2: float,
+    stacked: bool,
+    precision,
+):
+    S, T, G = num_seqs_max, num_tokens, group
+    BQ, GP, BM, BN, NS = cfg.block_q, cfg.heads_pad, cfg.block_m, cfg.block_n, cfg.num_splits
+    i32 = jnp.int32
+    b = pl.program_id(0)
+    h = pl.program_id(1)
+    sp = pl.program_id(2)
+
+    # ---- which sequence / query block is this program? -----------------------------------
+    ns = jnp.minimum(num_seqs_ref[0], S)
+    ar = lax.iota(i32, cfg.meta_len)
+    cu_vec = cu_ref[jnp.minimum(ar, S)]
+    starts = lax.div(cu_vec, BQ) + ar
+    seq = jnp.sum(((ar >= 1) & (ar <= ns) & (starts <= b)).astype(i32))
+    is_pad = seq >= ns
+    q_start = cu_ref[seq]
+    q_end = jnp.where(is_pad, T, cu_ref[jnp.minimum(seq + 1, S)])
+    q_len = q_end - q_start
+    row0 = (b - (lax.div(q_start, BQ) + seq)) * BQ  # first local query row of this block
+
+    @pl.when(row0 < q_len)
+    def _live():
+        seq_c = jnp.minimum(seq, S - 1)
+        kv_len = jnp.where(is_pad, 0, kv_lens_ref[seq_c])
+        rows_here = jnp.minimum(BQ, q_len - row0)
+        kv_end = jnp.maximum(jnp.where(is_pad, 0, kv_len - q_len + row0 + rows_here), 0)
+
+        m_idx = lax.iota(i32, BM)
+        t_loc = lax.div(m_idx, GP)
+        g_loc = lax.rem(m_idx, GP)
+        row_ok = (t_loc < rows_here) & (g_loc < G)
+        # Index arrays only (no slices): interpret mode discharges an all-array indexer to a
+        # gather/scatter; Triton lowers it to the same pointer arithmetic as a slice.
+        d_idx = lax.iota(i32, cfg.head_dim)[None, :]
+        tok_ld = jnp.where(row_ok, q_start + row0 + t_loc, 0)[:, None]
+        head_ld = jnp.where(row_ok, h * G + g_loc, 0)[:, None]
+        # Masked-off rows store to token T (out of range): interpret mode drops such scatter
+        # updates, so they never race a real row; on the GPU the mask keeps them unwritten.
+        tok_st = jnp.where(row_ok, q_start + row0 + t_loc, T)[:, None]
+        row_mask = row_ok[:, None]
+        q_pos = kv_len - q_len + row0 + t_loc  # absolute position of each row
+
+        q = pltriton.load(q_ref.at[tok_ld, head_ld, d_idx], mask=row_mask, other=0)
+
+        num_tiles = lax.div(kv_end + (BN - 1), BN)
+        if NS == 1:
+            j0, j1 = 0, num_tiles
+        else:
+            per = lax.div(num_tiles + (NS - 1), NS)
+            j0 = jnp.minimum(sp * per, num_tiles)
+            j1 = jnp.minimum(j0 + per, num_tiles)
+
+        layer = layer_ref[0] if stacked else None
+        n_idx = lax.iota(i32, BN)
+
+        def body(j, carry):
+            acc, m_i, l_i = carry
+            kpos = j * BN + n_idx
+            kv_ok = kpos < kv_end
+            page = pltriton.load(
+                page_table_ref.at[seq_c, jnp.where(kv_ok, lax.div(kpos, page_size), 0)],
+                mask=kv_ok,
+                other=0,
+            )
+            off = lax.rem(kpos, page_size)
+            idx = (page[:, None], off[:, None], h, d_idx)
+            if stacked:
+                idx = (layer, *idx)
+            kv_mask = kv_ok[:, None]
+            k = pltriton.load(k_ref.at[idx], mask=kv_mask, other=0)
+            v = pltriton.load(v_ref.at[idx], mask=kv_mask, other=0)
+            s = lax.dot_general(
+                q, k, (((1,), (1,)), ((), ())),
+                precision=precision, preferred_element_type=jnp.float32,
+            ) * scale_log2
+            vis = kpos[None, :] <= q_pos[:, None]
+            s = jnp.where(vis, s, -jnp.inf)
+            m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - m_new[:, None])
+            l_new = l_i * alpha + jnp.sum(p, axis=1)
+            pv = lax.dot_general(
+                p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                precision=precision, preferred_element_type=jnp.float32,
+            )
+            return acc * alpha[:, None] + pv, m_new, l_new
+
+        acc0 = jnp.zeros((BM, cfg.head_dim), jnp.float32)
+        m0 = jnp.full((BM,), _NEG, jnp.float32)
+        l0 = jnp.zeros((BM,), jnp.float32)
+        acc, m_i, l_i = lax.fori_loop(j0, j1, body, (acc0, m0, l0))
+        out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
+        if NS == 1:
+            (o_ref,) = out_refs
+            pltriton.store(
+                o_ref.at[tok_st, head_ld, d_idx], out.astype(o_ref.dtype), mask=row_mask
+            )
+        else:
+            o_ref, lse_ref = out_refs
+            lse = jnp.where(l_i > 0, m_i + jnp.log2(jnp.where(l_i > 0, l_i, 1.0)), _NEG)
+            pltriton.store(o_ref.at[sp, tok_st, head_ld, d_idx], out, mask=row_mask)
+            pltriton.store(lse_ref.at[sp, tok_st[:, 0], head_ld[:, 0]], lse, mask=row_ok)
+
+
+def _combine_splits(o_part: jax.Array, lse: jax.Array, dtype) -> jax.Array:
+    """Log-sum-exp combine of [NS, T, Hq, D] partials (log2 domain)."""
+    m = jnp.max(lse, axis=0)
+    w = jnp.exp2(lse - m[None])
+    out = jnp.sum(w[..., None] * o_part, axis=0) / jnp.sum(w, axis=0)[..., None]
+    return out.astype(dtype)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale", "interpret", "block_q", "block_n", "num_splits", "num_warps", "num_stages",
+    ),
+)
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    layer: jax.Array | None = None,
+    interpret: bool = False,
+    block_q: int | None = None,
+    block_n: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> jax.Array:
+    """Pallas (Triton backend) ragged paged attention; semantics of the reference.
+
+    Knobs (all static, ``None`` = automatic, see ``block_config``): ``block_q`` query tokens per
+    program, ``block_n`` kv tokens per tile, ``num_splits`` flash-decoding splits of the KV
+    range (1 disables the combine), ``num_warps`` / ``num_stages`` Triton parameters.
+    """
+    T, Hq, D = q.shape
+    S, P = page_table.shape
+    stacked = layer is not None
+    if k_pages.ndim != (5 if stacked else 4) or k_pages.shape != v_pages.shape:
+        raise ValueError(f"bad k/v page shapes {k_pages.shape} {v_pages.shape} (layer={layer})")
+    page_size, Hkv, Dk = k_pages.shape[-3:]
+    if Dk != D:
+        raise ValueError(f"head_dim mismatch: q {D} vs cache {Dk}")
+    if k_pages.dtype != q.dtype:
+        raise ValueError(f"q dtype {q.dtype} != cache dtype {k_pages.dtype}")
+    cfg = block_config(
+        T, S, P, page_size, Hq, Hkv, D, q.dtype,
+        block_q=block_q, block_n=block_n, num_splits=num_splits,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    kernel = functools.partial(
+        _kernel,
+        cfg=cfg,
+        num_seqs_max=S,
+        num_tokens=T,
+        group=Hq // Hkv,
+        page_size=page_size,
+        scale_log2=float(sm_scale) * _LOG2E,
+        stacked=stacked,
+        precision=precision,
+    )
+    NS = cfg.num_splits
+    if NS == 1:
+        out_shape = jax.ShapeDtypeStruct((T, Hq, D), q.dtype)
+    else:
+        out_shape = (
+            jax.ShapeDtypeStruct((NS, T, Hq, D), jnp.float32),
+            jax.ShapeDtypeStruct((NS, T, Hq), jnp.float32),
+        )
+    layer_arr = (
+        jnp.reshape(layer, (1,)).astype(jnp.int32) if stacked else jnp.zeros((1,), jnp.int32)
+    )
+    res = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=cfg.grid(Hkv),
+        compiler_params=pltriton.CompilerParams(
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages
+        ),
+        interpret=interpret,
+        name=f"ragged_paged_attention_bm{cfg.block_m}_bn{cfg.block_n}_ns{NS}",
+    )(
+        kv_lens.astype(jnp.int32),
+        page_table.astype(jnp.int32),
+        cu_q_lens.astype(jnp.int32),
+        jnp.reshape(num_seqs, (1,)).astype(jnp.int32),
+        layer_arr,
+        q,
+        k_pages,
+        v_pages,
+    )
+    if NS == 1:
+        return res
+    return _combine_splits(res[0], res[1], q.dtype)

@@ -1,0 +1,286 @@
+"""Ragged paged attention: reference vs brute force, Pallas kernel (interpret mode) vs reference.
+
+The kernel runs with ``interpret=True`` on CPU.  Pallas' interpreter starts every output buffer
+as NaN, so a row the kernel forgets to write shows up as NaN; the inputs are poisoned too: the
+sentinel page 0 (which unused page-table entries point at) is NaN in K and V, and the q rows of
+tier padding are NaN.  Triton's limits are not enforced here: ``test_block_shapes_static``
+checks the block shapes, ``test_triton_lowering`` lowers for CUDA, and the GPU run in
+benchmarks/bench_ragged_paged_attention.py --check compiles and checks on the H200.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.ragged_paged_attention import (
+    block_config,
+    ragged_paged_attention,
+    ragged_paged_attention_op,
+    ragged_paged_attention_reference,
+    write_kv_pages_reference,
+)
+
+
+# Jitted once per shape: eager op-by-op dispatch of the reference costs seconds on CPU.
+_reference = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale",))
+
+
+def _problem(rng, q_lens, kv_lens, *, hq, hkv, d, page_size, dtype, extra_seqs=2, pad_rows=5,
+             layers=None):
+    """Host-side problem with shuffled pages; unused table entries point at the NaN page 0."""
+    q_lens = np.asarray(q_lens, np.int32)
+    kv_lens = np.asarray(kv_lens, np.int32)
+    ns = len(q_lens)
+    S = ns + extra_seqs
+    need = [-(-int(k) // page_size) for k in kv_lens]
+    P = max(need) + 1
+    total = int(sum(need))
+    N = total + 4  # a few pages nobody owns
+    perm = rng.permutation(np.arange(1, N))
+    table = np.zeros((S, P), np.int32)
+    o = 0
+    for s, n in enumerate(need):
+        table[s, :n] = perm[o:o + n]
+        o += n
+    cu = np.zeros(S + 1, np.int32)
+    cu[1:ns + 1] = np.cumsum(q_lens)
+    cu[ns + 1:] = cu[ns]
+    T = int(cu[ns]) + pad_rows
+    kvl = np.zeros(S, np.int32)
+    kvl[:ns] = kv_lens
+    kvl[ns:] = 7  # ignored sequences: must not matter
+    shape = (N, page_size, hkv, d) if layers is None else (layers, N, page_size, hkv, d)
+    k = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    k[..., 0, :, :, :] = np.nan  # sentinel page (axis -4 is the page axis)
+    v[..., 0, :, :, :] = np.nan
+    q = rng.standard_normal((T, hq, d)).astype(np.float32)
+    q[cu[ns]:] = np.nan  # tier padding rows
+    return dict(q=q.astype(dtype), k=k.astype(dtype), v=v.astype(dtype), kv_lens=kvl,
+                page_table=table, cu_q_lens=cu, num_seqs=np.int32(ns), rows=int(cu[ns]))
+
+
+def _args(p):
+    return tuple(jnp.asarray(p[n]) for n in
+                 ("q", "k", "v", "kv_lens", "page_table", "cu_q_lens", "num_seqs"))
+
+
+def _brute_force(p, sm_scale, layer=None):
+    """float64 numpy loop over sequences, rows and heads."""
+    q = np.asarray(p["q"], np.float64)
+    k = np.asarray(p["k"], np.float64)
+    v = np.asarray(p["v"], np.float64)
+    if layer is not None:
+        k, v = k[layer], v[layer]
+    T, hq, d = q.shape
+    _, ps, hkv, _ = k.shape
+    G = hq // hkv
+    cu, kvl, table = p["cu_q_lens"], p["kv_lens"], p["page_table"]
+    out = np.zeros((T, hq, d))
+    for s in range(int(p["num_seqs"])):
+        ql, kl = cu[s + 1] - cu[s], kvl[s]
+        pos = np.arange(kl)
+        K = k[table[s, pos // ps], pos % ps]  # [kl, hkv, d]
+        V = v[table[s, pos // ps], pos % ps]
+        for i in range(ql):
+            qp = kl - ql + i
+            for h in range(hq):
+                sc = K[:qp + 1, h // G] @ q[cu[s] + i, h] * sm_scale
+                w = np.exp(sc - sc.max())
+                out[cu[s] + i, h] = (w / w.sum()) @ V[:qp + 1, h // G]
+    return out
+
+
+def _mixed_lens(rng, n_short, n_long, max_kv=300, max_long=64):
+    q_lens = list(rng.integers(1, 9, n_short)) + list(rng.integers(16, max_long + 1, n_long))
+    rng.shuffle(q_lens)
+    kv_lens = [int(ql) + int(rng.integers(0, max_kv)) for ql in q_lens]
+    return q_lens, kv_lens
+
+
+# --------------------------------------------------------------------------- reference
+
+
+@pytest.mark.parametrize("order", ["per_row", "per_seq"])
+def test_reference_matches_brute_force(order):
+    rng = np.random.default_rng(11)
+    hq, hkv, d, ps = 4, 2, 16, 4
+    if order == "per_row":  # decode/verify-like: few rows per sequence
+        q_lens, kv_lens = [1, 2, 1, 3], [9, 17, 1, 12]
+    else:  # one long prefill chunk
+        q_lens, kv_lens = [20, 3], [26, 5]
+    p = _problem(rng, q_lens, kv_lens, hq=hq, hkv=hkv, d=d, page_size=ps, dtype=np.float32)
+    T = p["q"].shape[0]
+    S, P = p["page_table"].shape
+    K = P * ps
+    per_row = T * K * (hkv * d + hq) <= S * K * hkv * d + T * hq * S * K
+    assert per_row == (order == "per_row"), "case no longer exercises the intended order"
+    out = np.asarray(_reference(*_args(p), sm_scale=0.3))
+    want = _brute_force(p, 0.3)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, want, atol=1e-5, rtol=0)
+
+
+def test_reference_ignores_cu_tail_garbage():
+    rng = np.random.default_rng(3)
+    p = _problem(rng, [2, 1, 3], [10, 5, 20], hq=4, hkv=2, d=16, page_size=4, dtype=np.float32)
+    want = np.asarray(_reference(*_args(p), sm_scale=0.25))
+    p["cu_q_lens"] = p["cu_q_lens"].copy()
+    p["cu_q_lens"][int(p["num_seqs"]) + 1:] = 0  # garbage past num_seqs
+    got = np.asarray(_reference(*_args(p), sm_scale=0.25))
+    np.testing.assert_array_equal(got, want)
+
+
+# --------------------------------------------------------------------------- kernel
+
+CASES = [
+    # id, hq, hkv, d, page_size, dtype, n_short, n_long, knobs
+    ("gqa1_d64_f32", 2, 2, 64, 16, np.float32, 5, 1, {}),
+    ("gqa4_d128_bf16", 8, 2, 128, 16, jnp.bfloat16, 6, 1, {}),
+    ("gqa8_d64_f32_ps8_split3", 8, 1, 64, 8, np.float32, 5, 1, {"num_splits": 3}),
+    ("gqa4_d64_bf16_ps32_bn16", 8, 2, 64, 32, jnp.bfloat16, 6, 1,
+     {"num_splits": 1, "block_n": 16}),
+    ("gqa8_d128_f32_bq4", 16, 2, 128, 16, np.float32, 4, 1, {"block_q": 4, "num_splits": 2}),
+    ("gqa3_d64_f32_decode", 6, 2, 64, 16, np.float32, 12, 0, {}),
+    ("gqa1_d128_bf16_split2", 4, 4, 128, 16, jnp.bfloat16, 3, 1, {"num_splits": 2}),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_kernel_matches_reference(case):
+    name, hq, hkv, d, ps, dtype, n_short, n_long, knobs = case
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    q_lens, kv_lens = _mixed_lens(rng, n_short, n_long)
+    p = _problem(rng, q_lens, kv_lens, hq=hq, hkv=hkv, d=d, page_size=ps, dtype=dtype)
+    scale = 1.0 / math.sqrt(d)
+    out = ragged_paged_attention(*_args(p), sm_scale=scale, interpret=True, **knobs)
+    ref = _reference(*_args(p), sm_scale=scale)
+    out = np.asarray(out.astype(jnp.float32))
+    ref = np.asarray(ref.astype(jnp.float32))
+    assert np.isfinite(ref).all()
+    assert np.isfinite(out).all(), "unwritten or poisoned output rows"
+    assert (out[p["rows"]:] == 0).all(), "tier padding rows must be zeros"
+    tol = 1e-5 if dtype == np.float32 else 2e-2
+    assert np.abs(out - ref).max() <= tol
+
+
+def test_stacked_layers_under_scan():
+    """[L, N, ps, Hkv, D] cache + traced layer index inside lax.scan, as the model calls it."""
+    rng = np.random.default_rng(5)
+    q_lens, kv_lens = _mixed_lens(rng, 4, 1, max_kv=150, max_long=24)
+    L = 3
+    p = _problem(rng, q_lens, kv_lens, hq=8, hkv=2, d=64, page_size=16, dtype=np.float32,
+                 layers=L)
+    q, k, v, kvl, table, cu, ns = _args(p)
+
+    def run(fn):
+        def body(carry, layer):
+            return carry, fn(q, k, v, kvl, table, cu, ns, sm_scale=0.125, layer=layer)
+        return jax.lax.scan(body, 0, jnp.arange(L, dtype=jnp.int32))[1]
+
+    out = np.asarray(jax.jit(lambda: run(
+        lambda *a, **kw: ragged_paged_attention(*a, **kw, interpret=True, num_splits=2)))())
+    ref = np.asarray(jax.jit(lambda: run(ragged_paged_attention_reference))())
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+    # Each layer differs, and layer 1 equals the unstacked call on k[1].
+    assert np.abs(out[0] - out[1]).max() > 1e-3
+    flat = ragged_paged_attention(q, k[1], v[1], kvl, table, cu, ns, sm_scale=0.125,
+                                  interpret=True, num_splits=1)
+    np.testing.assert_allclose(out[1], np.asarray(flat), atol=1e-5, rtol=0)
+
+
+def test_op_dispatch_and_kv_write():
+    """Write new K/V through the reference scatter (padding -> sentinel page), then attend."""
+    rng = np.random.default_rng(9)
+    hq, hkv, d, ps = 8, 2, 64, 16
+    q_lens, kv_lens = [3, 1, 5], [40, 17, 70]
+    p = _problem(rng, q_lens, kv_lens, hq=hq, hkv=hkv, d=d, page_size=ps, dtype=np.float32)
+    q, k, v, kvl, table, cu, ns = _args(p)
+    T = q.shape[0]
+    slots = np.zeros(T, np.int32)  # padding rows -> sentinel page 0
+    for s, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
+        pos = np.arange(kl - ql, kl)
+        slots[p["cu_q_lens"][s]:p["cu_q_lens"][s + 1]] = (
+            p["page_table"][s, pos // ps] * ps + pos % ps)
+    new_k = jnp.asarray(rng.standard_normal((T, hkv, d)), jnp.float32)
+    new_v = jnp.asarray(rng.standard_normal((T, hkv, d)), jnp.float32)
+    k2, v2 = write_kv_pages_reference(k, v, new_k, new_v, jnp.asarray(slots))
+    real = np.ones(k.shape[0], bool)
+    real[0] = False
+    changed = np.asarray(jnp.any(k2 != k, axis=(1, 2, 3)) | jnp.any(v2 != v, axis=(1, 2, 3)))
+    owned = set(np.unique(slots[:p["rows"]] // ps).tolist())
+    assert set(np.nonzero(changed & real)[0].tolist()) <= owned
+    out = ragged_paged_attention_op(q, k2, v2, kvl, table, cu, ns, sm_scale=0.125,
+                                    backend="pallas", interpret=True)
+    ref = ragged_paged_attention_op(q, k2, v2, kvl, table, cu, ns, sm_scale=0.125,
+                                    backend="reference")
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError):
+        ragged_paged_attention_op(q, k2, v2, kvl, table, cu, ns, sm_scale=0.1, backend="cuda")
+
+
+# --------------------------------------------------------------------------- static checks
+
+
+def _pow2(x):
+    return x >= 1 and x & (x - 1) == 0
+
+
+def test_block_shapes_static():
+    """Every block shape on the GPU path is a power of two and every dot tile is >= 16."""
+    seen = 0
+    for T, S in [(1, 1), (7, 3), (32, 32), (256, 32), (300, 8), (2048, 256), (4096, 4)]:
+        for hq, hkv in [(4, 4), (8, 2), (32, 8), (16, 2), (12, 4), (64, 2)]:
+            for d in (64, 128):
+                for dtype in (jnp.bfloat16, jnp.float32):
+                    for knobs in ({}, {"block_q": 1}, {"block_q": 8, "block_n": 16},
+                                  {"block_n": 128, "num_splits": 4}):
+                        cfg = block_config(T, S, 64, 16, hq, hkv, d, dtype, **knobs)
+                        for name, shape in cfg.tile_shapes().items():
+                            assert all(_pow2(x) for x in shape), (name, shape, cfg)
+                        for name, mnk in cfg.dot_shapes().items():
+                            assert min(mnk) >= 16, (name, mnk, cfg)
+                        assert cfg.block_m >= cfg.block_q * -(-hq // hkv)
+                        assert cfg.num_splits >= 1 and cfg.num_q_blocks >= T // cfg.block_q
+                        seen += 1
+    assert seen > 500
+    with pytest.raises(ValueError):
+        block_config(8, 2, 4, 16, 8, 2, 64, jnp.float32, block_n=48)
+    with pytest.raises(ValueError):
+        block_config(8, 2, 4, 16, 8, 2, 96, jnp.float32)
+
+
+def test_triton_lowering():
+    """The kernel lowers to Triton IR for CUDA (no GPU needed); catches unsupported primitives."""
+    sd = jax.ShapeDtypeStruct
+    T, S, P, N, ps = 40, 4, 8, 40, 16
+    for layers, knobs in ((None, {"num_splits": 1}), (2, {"num_splits": 4, "block_n": 128})):
+        kshape = (N, ps, 8, 128) if layers is None else (layers, N, ps, 8, 128)
+        args = (sd((T, 32, 128), jnp.bfloat16), sd(kshape, jnp.bfloat16),
+                sd(kshape, jnp.bfloat16), sd((S,), jnp.int32), sd((S, P), jnp.int32),
+                sd((S + 1,), jnp.int32), sd((), jnp.int32))
+        kw = dict(sm_scale=0.1, **knobs)
+        if layers is not None:
+            args = args + (sd((), jnp.int32),)
+
+            def f(*a, kw=kw):
+                return ragged_paged_attention(*a[:-1], layer=a[-1], **kw)
+        else:
+            def f(*a, kw=kw):
+                return ragged_paged_attention(*a, **kw)
+        try:
+            lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+        except Exception as e:  # jaxlib without the Triton dialect / CUDA lowering
+            if "triton" in str(e).lower() and "not" in str(e).lower():
+                pytest.skip(f"no Triton lowering here: {e}")
+            raise
+        text = lowered.as_text()
+        assert "triton" in text
