@@ -41,7 +41,7 @@ def main():
     bw = copy_bandwidth(2 << 30)
     model = random_model(cfg)
     eng = Engine(model, None, EngineConfig(max_running_requests=1, max_model_len=512, num_pages=args.num_pages,
-                                          attention_backend=args.backend, scan_layers=bool(args.scan), precompile=False))
+                                          attention_backend=args.backend, unroll_decode=not args.scan, precompile=False))
     eng.runner.compile([(1, 1, 1)])
     compiled = eng.runner._compiled[(1, 1, 1)]
     if args.hlo_out:

@@ -29,24 +29,33 @@ INDEX_FILE = "model.safetensors.index.json"
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
-# HF per-layer tensor name -> (path inside our stacked `layers`, transpose?)
-_LAYER_MAP = {
-    "self_attn.q_proj.weight": (("self_attn", "q_proj", "kernel"), True),
-    "self_attn.k_proj.weight": (("self_attn", "k_proj", "kernel"), True),
-    "self_attn.v_proj.weight": (("self_attn", "v_proj", "kernel"), True),
-    "self_attn.o_proj.weight": (("self_attn", "o_proj", "kernel"), True),
-    "self_attn.q_proj.bias": (("self_attn", "q_proj", "bias"), False),
-    "self_attn.k_proj.bias": (("self_attn", "k_proj", "bias"), False),
-    "self_attn.v_proj.bias": (("self_attn", "v_proj", "bias"), False),
-    "self_attn.o_proj.bias": (("self_attn", "o_proj", "bias"), False),
-    "self_attn.q_norm.weight": (("self_attn", "q_norm", "weight"), False),
-    "self_attn.k_norm.weight": (("self_attn", "k_norm", "weight"), False),
-    "mlp.gate_proj.weight": (("mlp", "gate_proj", "kernel"), True),
-    "mlp.up_proj.weight": (("mlp", "up_proj", "kernel"), True),
-    "mlp.down_proj.weight": (("mlp", "down_proj", "kernel"), True),
-    "input_layernorm.weight": (("input_layernorm", "weight"), False),
-    "post_attention_layernorm.weight": (("post_attention_layernorm", "weight"), False),
+# Our stacked per-layer parameter -> the Hugging Face tensors it is made of (concatenated along
+# the output axis) and whether they are Linear weights ([out, in] in HF, [in, out] here).
+_LAYER_PARAMS = {
+    ("self_attn", "qkv_proj", "kernel"): (("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), True),
+    ("self_attn", "qkv_proj", "bias"): (("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), False),
+    ("self_attn", "o_proj", "kernel"): (("self_attn.o_proj.weight",), True),
+    ("self_attn", "o_proj", "bias"): (("self_attn.o_proj.bias",), False),
+    ("self_attn", "q_norm", "weight"): (("self_attn.q_norm.weight",), False),
+    ("self_attn", "k_norm", "weight"): (("self_attn.k_norm.weight",), False),
+    ("mlp", "gate_up_proj", "kernel"): (("mlp.gate_proj.weight", "mlp.up_proj.weight"), True),
+    ("mlp", "down_proj", "kernel"): (("mlp.down_proj.weight",), True),
+    ("input_layernorm", "weight"): (("input_layernorm.weight",), False),
+    ("post_attention_layernorm", "weight"): (("post_attention_layernorm.weight",), False),
 }
+_HF_LAYER_SUFFIXES = {sfx for sfxs, _ in _LAYER_PARAMS.values() for sfx in sfxs}
+
+
+def _output_split(path: tuple[str, ...], cfg: Qwen3Config) -> list[int]:
+    """Output widths of the HF tensors fused into `path` (for splitting on export)."""
+    D = cfg.head_dim
+    if path[1] == "qkv_proj":
+        return [cfg.num_attention_heads * D, cfg.num_key_value_heads * D, cfg.num_key_value_heads * D]
+    if path[1] == "gate_up_proj":
+        return [cfg.intermediate_size, cfg.intermediate_size]
+    return []
+
+
 _TOP_MAP = {
     "model.embed_tokens.weight": (("embed_tokens", "embedding"), False),
     "model.norm.weight": (("norm", "weight"), False),
@@ -116,15 +125,14 @@ def load_model(folder: str | Path, *, dtype: str | None = None) -> tuple[Qwen3Co
     L = cfg.num_hidden_layers
 
     top: dict = {}
-    per_layer: dict[tuple[str, ...], list] = {path: [None] * L for path, _ in _LAYER_MAP.values()}
+    hf_layers: dict[str, list] = {sfx: [None] * L for sfx in _HF_LAYER_SUFFIXES}
     for name, arr in _read_tensors(_weight_files(folder)):
         m = _LAYER_RE.match(name)
-        if m and m.group(2) in _LAYER_MAP:
+        if m and m.group(2) in _HF_LAYER_SUFFIXES:
             i = int(m.group(1))
             if i >= L:
                 raise CheckpointError(f"{folder}: tensor {name} but config has {L} layers")
-            path, transpose = _LAYER_MAP[m.group(2)]
-            per_layer[path][i] = arr.T if transpose else arr
+            hf_layers[m.group(2)][i] = arr
         elif name in _TOP_MAP:
             path, transpose = _TOP_MAP[name]
             if path[0] == "lm_head" and cfg.tie_word_embeddings:
@@ -136,20 +144,30 @@ def load_model(folder: str | Path, *, dtype: str | None = None) -> tuple[Qwen3Co
             raise CheckpointError(f"{folder}: unexpected tensor {name!r} for a Qwen3 checkpoint")
 
     loaded: dict = {}
-    for path, arrs in per_layer.items():
+    for path, (suffixes, is_kernel) in _LAYER_PARAMS.items():
         try:
             _get(expected["layers"], path)
         except KeyError:
-            if any(a is not None for a in arrs):
-                raise CheckpointError(f"{folder}: tensor for {'.'.join(path)} present but config disables it")
+            if any(a is not None for sfx in suffixes for a in hf_layers[sfx]):
+                raise CheckpointError(f"{folder}: {suffixes[0]} present but the config disables it")
             continue
-        missing = [i for i, a in enumerate(arrs) if a is None]
-        if missing:
-            raise CheckpointError(f"{folder}: layer {missing[0]} is missing {'.'.join(path)}")
-        shapes = {a.shape for a in arrs}
-        if len(shapes) != 1:
-            raise CheckpointError(f"{folder}: {'.'.join(path)} has different shapes across layers: {shapes}")
-        _set(loaded, ("layers",) + path, np.stack(arrs))
+        per_layer = []
+        for i in range(L):
+            parts = []
+            for sfx in suffixes:
+                a = hf_layers[sfx][i]
+                if a is None:
+                    raise CheckpointError(f"{folder}: layer {i} is missing {sfx}")
+                parts.append(a.T if is_kernel else a)
+            try:
+                per_layer.append(np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0])
+            except ValueError:
+                raise CheckpointError(
+                    f"{folder}: layer {i}: shapes {[p.shape for p in parts]} of {suffixes} do not fit together"
+                ) from None
+        if len({a.shape for a in per_layer}) != 1:
+            raise CheckpointError(f"{folder}: {suffixes[0]} has different shapes across layers")
+        _set(loaded, ("layers",) + path, np.stack(per_layer))
     for path, _ in _TOP_MAP.values():
         try:
             _get(expected, path)
@@ -163,10 +181,10 @@ def load_model(folder: str | Path, *, dtype: str | None = None) -> tuple[Qwen3Co
     def place(exp, arr, path):
         if arr.shape != exp.shape:
             raise CheckpointError(
-                f"{folder}: shape mismatch for {'/'.join(map(str, path))}: checkpoint has "
-                f"{tuple(arr.shape)}, config implies {tuple(exp.shape)}"
+                f"{folder}: shape mismatch for {'/'.join(str(getattr(k, 'key', k)) for k in path)}: "
+                f"checkpoint has {tuple(arr.shape)}, config implies {tuple(exp.shape)}"
             )
-        return jnp.asarray(arr.astype(np.float32) if arr.dtype == ml_dtypes.bfloat16 and exp.dtype != jnp.bfloat16 else arr, dtype=exp.dtype)
+        return jnp.asarray(arr).astype(exp.dtype)
 
     values = jax.tree_util.tree_map_with_path(
         lambda p, exp: place(exp, _get(loaded, tuple(k.key for k in p)), p), expected
@@ -192,13 +210,15 @@ def save_model(folder: str | Path, cfg: Qwen3Config, model: Qwen3ForCausalLM, *,
             put(name, _get(state, path), transpose)
         except KeyError:
             pass
-    for suffix, (path, transpose) in _LAYER_MAP.items():
+    for path, (suffixes, is_kernel) in _LAYER_PARAMS.items():
         try:
-            stacked = _get(state["layers"], path)
+            stacked = np.asarray(jax.device_get(_get(state["layers"], path)))
         except KeyError:
             continue
-        for i in range(cfg.num_hidden_layers):
-            put(f"model.layers.{i}.{suffix}", stacked[i], transpose)
+        parts = np.split(stacked, np.cumsum(_output_split(path, cfg))[:-1], axis=-1) if len(suffixes) > 1 else [stacked]
+        for sfx, part in zip(suffixes, parts):
+            for i in range(cfg.num_hidden_layers):
+                put(f"model.layers.{i}.{sfx}", part[i], is_kernel)
     save_file(tensors, str(folder / SINGLE_FILE), metadata={"format": "pt"})
     d = cfg.to_hf_dict()
     d["torch_dtype"] = "bfloat16" if out_dtype == np.dtype(ml_dtypes.bfloat16) else str(out_dtype)

@@ -88,7 +88,7 @@ def test_sharded_checkpoint_loads_identically(tmp_path, hf_model_dir):
     assert (sharded / "model.safetensors.index.json").exists()
     _, a = load_model(sharded)
     _, b = load_model(hf_model_dir)
-    np.testing.assert_array_equal(np.asarray(a.layers.mlp.up_proj.kernel[...]), np.asarray(b.layers.mlp.up_proj.kernel[...]))
+    np.testing.assert_array_equal(np.asarray(a.layers.mlp.gate_up_proj.kernel[...]), np.asarray(b.layers.mlp.gate_up_proj.kernel[...]))
     idx = json.loads((sharded / "model.safetensors.index.json").read_text())
     missing = sorted(set(idx["weight_map"].values()))[-1]
     (sharded / missing).unlink()

@@ -127,3 +127,12 @@ def test_results_carry_timing_stats(tiny_engine):
     assert s["completion_tokens"] == 12 and s["ttft_s"] > 0 and s["latency_s"] >= s["ttft_s"]
     assert s["decode_tokens_per_s"] > 0
     assert tiny_engine.last_generate_stats["completion_tokens"] == 12
+
+
+def test_unrolled_decode_and_lazy_compile_give_identical_tokens(hf_model_dir, tiny_engine):
+    eng = Engine.from_pretrained(hf_model_dir, EngineConfig(max_running_requests=4, max_prefill_tokens=64,
+                                                            max_model_len=256, unroll_decode=True, precompile=False))
+    assert eng.runner.compiled_buckets == []
+    prompts = _prompts(tiny_engine, 5, seed=31)
+    assert [r.token_ids for r in eng.generate(prompts, GREEDY)] == [r.token_ids for r in tiny_engine.generate(prompts, GREEDY)]
+    assert eng.runner.compiled_buckets  # compiled on first use

@@ -53,9 +53,10 @@ def np_decoder_layer(x, p, cfg):
     H, Hk, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     a = p["self_attn"]
     h = np_rms(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps)
-    q = np_rms((h @ a["q_proj"]["kernel"]).reshape(T, H, D), a["q_norm"]["weight"], cfg.rms_norm_eps)
-    k = np_rms((h @ a["k_proj"]["kernel"]).reshape(T, Hk, D), a["k_norm"]["weight"], cfg.rms_norm_eps)
-    v = (h @ a["v_proj"]["kernel"]).reshape(T, Hk, D)
+    wq, wk, wv = np.split(a["qkv_proj"]["kernel"], [H * D, (H + Hk) * D], axis=1)
+    q = np_rms((h @ wq).reshape(T, H, D), a["q_norm"]["weight"], cfg.rms_norm_eps)
+    k = np_rms((h @ wk).reshape(T, Hk, D), a["k_norm"]["weight"], cfg.rms_norm_eps)
+    v = (h @ wv).reshape(T, Hk, D)
     pos = np.arange(T)
     q, k = np_rope(q, pos, cfg.rope_theta), np_rope(k, pos, cfg.rope_theta)
     out = np.zeros((T, H, D), np.float32)
@@ -68,8 +69,9 @@ def np_decoder_layer(x, p, cfg):
     x = x + out.reshape(T, H * D) @ a["o_proj"]["kernel"]
     m = p["mlp"]
     h = np_rms(x, p["post_attention_layernorm"]["weight"], cfg.rms_norm_eps)
-    g = h @ m["gate_proj"]["kernel"]
-    return x + ((g / (1 + np.exp(-g))) * (h @ m["up_proj"]["kernel"])) @ m["down_proj"]["kernel"]
+    wg, wu = np.split(m["gate_up_proj"]["kernel"], 2, axis=1)
+    g = h @ wg
+    return x + ((g / (1 + np.exp(-g))) * (h @ wu)) @ m["down_proj"]["kernel"]
 
 
 def test_decoder_layer_matches_numpy():

@@ -46,10 +46,10 @@ class EngineConfig:
     max_prefill_tokens: int = 512
     max_prefill_seqs: int = 8
     attention_backend: str = "auto"  # auto | pallas | reference
-    scan_layers: bool = True  # False unrolls the layer loop in the compiled step
+    unroll_decode: bool | None = None  # unroll the layer loop in decode steps; default: on GPU only
     dtype: str | None = None  # default: the checkpoint's
     compile_cache_dir: str | None = None
-    precompile: bool = True
+    precompile: bool = True  # False: compile each shape bucket on first use
     seed: int = 0  # draws seeds for requests that do not bring one
 
 
@@ -67,8 +67,10 @@ class Engine:
         cache = allocate_kv_cache(self.config, num_pages, ec.page_size, model.dtype)
         self.backend = resolve_backend(ec.attention_backend)
         enable_compilation_cache(ec.compile_cache_dir)
+        unroll = ec.unroll_decode if ec.unroll_decode is not None else jax.default_backend() == "gpu"
         self.runner = ModelRunner(
-            model, cache, pages_per_seq=self.pages_per_seq, backend=self.backend, scan_layers=ec.scan_layers
+            model, cache, pages_per_seq=self.pages_per_seq, backend=self.backend,
+            unroll_decode=unroll, lazy=not ec.precompile,
         )
         self.prefill_seqs = min(ec.max_prefill_seqs, ec.max_running_requests)
         self.decode_buckets = batch_ladder(ec.max_running_requests)
