@@ -18,10 +18,20 @@ TOKENIZER_FILE = "tokenizer.json"
 
 
 class Tokenizer:
-    def __init__(self, tok: HFTokenizer, *, eos_token_ids: tuple[int, ...] = (), chat_template: str | None = None):
+    def __init__(
+        self,
+        tok: HFTokenizer,
+        *,
+        eos_token_ids: tuple[int, ...] = (),
+        chat_template: str | None = None,
+        bos_token_id: int | None = None,
+    ):
         self._tok = tok
         self.eos_token_ids = tuple(eos_token_ids)
         self.chat_template = chat_template
+        # Prepended to every encoded text when tokenizer_config.json asks for it (add_bos_token):
+        # a model trained on bos-prefixed documents reads an unprefixed prompt as mid-document.
+        self.bos_token_id = bos_token_id
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "Tokenizer":
@@ -35,6 +45,7 @@ class Tokenizer:
             raise CheckpointError(f"{path}: cannot parse tokenizer ({e})") from None
         eos: list[int] = []
         template = None
+        bos_id = None
         cfg_path = folder / "tokenizer_config.json"
         if cfg_path.exists():
             try:
@@ -47,14 +58,22 @@ class Tokenizer:
                 eos_tok = eos_tok.get("content")
             if isinstance(eos_tok, str) and tok.token_to_id(eos_tok) is not None:
                 eos.append(tok.token_to_id(eos_tok))
-        return cls(tok, eos_token_ids=tuple(eos), chat_template=template)
+            bos_tok = tcfg.get("bos_token")
+            if isinstance(bos_tok, dict):
+                bos_tok = bos_tok.get("content")
+            if tcfg.get("add_bos_token") and isinstance(bos_tok, str):
+                bos_id = tok.token_to_id(bos_tok)
+                if bos_id is None:
+                    raise CheckpointError(f"{cfg_path}: add_bos_token is set but {bos_tok!r} is not in the vocabulary")
+        return cls(tok, eos_token_ids=tuple(eos), chat_template=template, bos_token_id=bos_id)
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return [self.bos_token_id, *ids] if self.bos_token_id is not None else ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -19,7 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from dspark_jax.checkpoint import load_model, resolve_dtype
+from dspark_jax.checkpoint import load_model
 from dspark_jax.config import Qwen3Config
 from dspark_jax.engine.model_runner import ModelRunner, batch_ladder, enable_compilation_cache, round_up
 from dspark_jax.engine.request import GenerationResult, Request, Status
@@ -47,7 +47,7 @@ class EngineConfig:
     max_prefill_seqs: int = 8
     attention_backend: str = "auto"  # auto | pallas | reference
     unroll_decode: bool | None = None  # unroll the layer loop in decode steps; default: on GPU only
-    dtype: str | None = None  # default: the checkpoint's
+    dtype: str | None = None  # default: float32 on CPU (bf16 math is slow there), else the checkpoint's
     compile_cache_dir: str | None = None
     precompile: bool = True  # False: compile each shape bucket on first use
     seed: int = 0  # draws seeds for requests that do not bring one
@@ -90,7 +90,8 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None, **overrides) -> "Engine":
         ec = dataclasses.replace(config or EngineConfig(), **overrides)
-        _, model = load_model(path, dtype=ec.dtype)
+        dtype = ec.dtype or ("float32" if jax.default_backend() == "cpu" else None)
+        _, model = load_model(path, dtype=dtype)
         return cls(model, Tokenizer.from_folder(path), ec)
 
     # -- sizing ---------------------------------------------------------------------------
