@@ -148,7 +148,7 @@ class Qwen3ForCausalLM(nnx.Module):
         """LM head on final-normed hidden states, in fp32."""
         if self.lm_head is None:
             w = self.embed_tokens.embedding[...]
-            return jnp.einsum("td,vd->tv", h, w, preferred_element_type=jnp.float32)
+            return jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
         return self.lm_head(h).astype(jnp.float32)
 
     def __call__(

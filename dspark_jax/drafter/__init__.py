@@ -1,0 +1,1 @@
+"""DSpark block drafter: KV-injection backbone, sequential (Markov) heads, confidence head."""

@@ -1,0 +1,76 @@
+"""DSpark drafter configuration: the target's shape family plus the drafter's own choices."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from dspark_jax.config import Qwen3Config
+
+MARKOV_TYPES = ("vanilla", "gated", "rnn")
+
+
+@dataclasses.dataclass(frozen=True)
+class DSparkConfig:
+    # Shape family of the target (the drafter's layers have the target's widths and heads).
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    # Drafter choices (DeepSpec defaults: 5 layers, block 7, vanilla head of rank 256).
+    num_layers: int = 5
+    block_size: int = 7  # gamma: drafts per round; the verify window is gamma + 1
+    mask_token_id: int = 0
+    target_layer_ids: tuple[int, ...] = (1,)
+    markov_type: str = "vanilla"
+    markov_rank: int = 256  # 0 disables the sequential head (plain DFlash block drafting)
+    confidence_with_markov: bool = True
+
+    def __post_init__(self):
+        if self.markov_type not in MARKOV_TYPES:
+            raise ValueError(f"markov_type must be one of {MARKOV_TYPES}, got {self.markov_type!r}")
+        if self.block_size < 1 or self.num_layers < 1 or self.markov_rank < 0:
+            raise ValueError("block_size and num_layers must be >= 1 and markov_rank >= 0")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids must name at least one target layer")
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+
+    @classmethod
+    def from_target(cls, target: Qwen3Config, **kw) -> "DSparkConfig":
+        """Copy the target's shape; by default tap layers spread evenly from 1 to L-3 as DFlash does."""
+        L = target.num_hidden_layers
+        if "target_layer_ids" not in kw:
+            hi = max(1, L - 3)
+            n = min(5, hi)
+            kw["target_layer_ids"] = tuple(sorted({round(1 + i * (hi - 1) / max(1, n - 1)) for i in range(n)}))
+        for t in kw["target_layer_ids"]:
+            if not -1 <= t < L - 1:
+                raise ValueError(f"target layer {t} out of range: taps must be in [-1, {L - 2}] (never the last layer)")
+        return cls(
+            vocab_size=target.vocab_size,
+            hidden_size=target.hidden_size,
+            intermediate_size=target.intermediate_size,
+            num_attention_heads=target.num_attention_heads,
+            num_key_value_heads=target.num_key_value_heads,
+            head_dim=target.head_dim,
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta,
+            **kw,
+        )
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "DSparkConfig":
+        d = json.loads(Path(path).read_text())
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - fields
+        if unknown:
+            raise ValueError(f"{path}: unknown drafter config keys {sorted(unknown)}")
+        return cls(**d)
