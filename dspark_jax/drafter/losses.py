@@ -1,0 +1,77 @@
+"""DSpark training objective: 0.1 CE + 0.9 L1 + 1.0 BCE(confidence, soft acceptance label).
+
+Per block position k (0-indexed) the weight is w_k = eval_mask_k * exp(-k / decay) with
+decay = 4 (DeepSpec's loss_decay_gamma, not the block size), where eval_mask is made
+prefix-contiguous: a position whose label is invalid also invalidates every later one.  Each
+term is a weighted mean sum(w * term) / sum(w), as DeepSpec computes it (the paper's equations
+write plain sums).
+
+- CE on the corrected draft logits (Markov bias included) against the ground-truth token;
+- L1 = || softmax(draft) - softmax(target) ||_1, the full L1 (= 2 TV), at temperature 1;
+- BCE of the confidence logit against c* = 1 - L1/2, the analytic probability that a draft
+  sampled from the draft distribution survives rejection sampling against the target; the label
+  is detached so the confidence head learns to predict acceptance, not to move it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+CE_WEIGHT, L1_WEIGHT, CONF_WEIGHT, DECAY = 0.1, 0.9, 1.0, 4.0
+
+
+class LossTerms(NamedTuple):
+    loss: jax.Array
+    ce: jax.Array
+    l1: jax.Array
+    bce: jax.Array
+    tau_probabilistic: jax.Array  # mean over valid blocks of 1 + sum_k prod_{i<=k} c*_i
+    accept_rate: jax.Array  # [gamma] weighted mean c* per position
+
+
+def position_weights(eval_mask: jax.Array, decay: float = DECAY) -> jax.Array:
+    """eval_mask [..., gamma] bool -> prefix-contiguous mask times exp(-k / decay)."""
+    prefix = jnp.cumprod(eval_mask.astype(jnp.float32), axis=-1)
+    k = jnp.arange(eval_mask.shape[-1], dtype=jnp.float32)
+    return prefix * jnp.exp(-k / decay)
+
+
+def soft_acceptance(draft_logits: jax.Array, target_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(L1 distance [...], detached label c* = clip(1 - L1/2, 0, 1)) at temperature 1, in fp32."""
+    p = jax.nn.softmax(draft_logits.astype(jnp.float32), axis=-1)
+    q = jax.nn.softmax(target_logits.astype(jnp.float32), axis=-1)
+    l1 = jnp.abs(p - q).sum(-1)
+    return l1, jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0))
+
+
+def dspark_loss(
+    draft_logits: jax.Array,
+    target_logits: jax.Array,
+    labels: jax.Array,
+    confidence_logits: jax.Array,
+    eval_mask: jax.Array,
+    *,
+    weights: tuple[float, float, float] = (CE_WEIGHT, L1_WEIGHT, CONF_WEIGHT),
+    decay: float = DECAY,
+) -> LossTerms:
+    """draft/target logits [..., gamma, V]; labels [..., gamma] (token after each position);
+    confidence_logits and eval_mask [..., gamma]."""
+    w = position_weights(eval_mask, decay)
+    denom = jnp.maximum(w.sum(), 1e-9)
+    mean = lambda x: (w * x).sum() / denom
+    logp = jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1)
+    ce = -jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    l1, label = soft_acceptance(draft_logits, target_logits)
+    z = confidence_logits.astype(jnp.float32)
+    bce = jnp.maximum(z, 0) - z * label + jnp.log1p(jnp.exp(-jnp.abs(z)))  # BCE-with-logits, stable
+    terms = (mean(ce), mean(l1), mean(bce))
+    loss = sum(a * t for a, t in zip(weights, terms))
+    valid = (w[..., 0] > 0).astype(jnp.float32)
+    prefix = jnp.where(w > 0, label, 0.0)
+    tau = (valid * (1.0 + jnp.cumprod(prefix, axis=-1).sum(-1))).sum() / jnp.maximum(valid.sum(), 1.0)
+    pos_mask = (w > 0).astype(jnp.float32).reshape(-1, w.shape[-1])
+    acc = (label.reshape(-1, w.shape[-1]) * pos_mask).sum(0) / jnp.maximum(pos_mask.sum(0), 1.0)
+    return LossTerms(loss, *terms, tau, acc)

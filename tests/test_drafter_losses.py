@@ -1,0 +1,61 @@
+"""DSpark loss terms on cases small enough to work out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.drafter.losses import dspark_loss, position_weights, soft_acceptance
+
+
+def test_position_weights_prefix_and_decay():
+    w = np.asarray(position_weights(jnp.array([[True, True, False, True], [True, True, True, True]])))
+    e = math.exp
+    np.testing.assert_allclose(w[0], [1, e(-0.25), 0, 0], rtol=1e-6)  # the gap cuts the rest
+    np.testing.assert_allclose(w[1], [1, e(-0.25), e(-0.5), e(-0.75)], rtol=1e-6)
+
+
+def test_soft_acceptance_by_hand():
+    # draft uniform over 3 tokens; target (1/2, 1/4, 1/4): L1 = 1/6 + 1/12 + 1/12 = 1/3, c* = 5/6.
+    l1, c = soft_acceptance(jnp.zeros(3), jnp.log(jnp.array([2.0, 1.0, 1.0])))
+    assert abs(float(l1) - 1 / 3) < 1e-6 and abs(float(c) - 5 / 6) < 1e-6
+    l1, c = soft_acceptance(jnp.array([0.0, 50.0]), jnp.array([50.0, 0.0]))  # disjoint: L1 = 2, c* = 0
+    assert abs(float(l1) - 2) < 1e-6 and float(c) == 0.0
+
+
+def test_loss_terms_by_hand():
+    # One block of gamma=2, vocab 3.  Position 0: draft uniform, target (1/2,1/4,1/4), label 0,
+    # z = 0.  Position 1: draft = target = (1/2,1/4,1/4), label 1, z = ln 3.
+    d = jnp.array([[[0.0, 0.0, 0.0], [math.log(2), 0.0, 0.0]]])
+    t = jnp.array([[[math.log(2), 0.0, 0.0], [math.log(2), 0.0, 0.0]]])
+    z = jnp.array([[0.0, math.log(3)]])
+    out = dspark_loss(d, t, jnp.array([[0, 1]]), z, jnp.array([[True, True]]))
+    w0, w1 = 1.0, math.exp(-0.25)
+    ce = (w0 * math.log(3) + w1 * -math.log(0.25)) / (w0 + w1)
+    l1 = (w0 * (1 / 3) + w1 * 0.0) / (w0 + w1)
+    # BCE(z=0, c=5/6) = ln 2.  BCE(z=ln3, c=1) = -ln(sigmoid(ln 3)) = -ln(3/4).
+    bce = (w0 * math.log(2) + w1 * -math.log(0.75)) / (w0 + w1)
+    assert abs(float(out.ce) - ce) < 1e-5
+    assert abs(float(out.l1) - l1) < 1e-5
+    assert abs(float(out.bce) - bce) < 1e-5
+    assert abs(float(out.loss) - (0.1 * ce + 0.9 * l1 + 1.0 * bce)) < 1e-5
+    # tau = 1 + c*_0 + c*_0 c*_1 = 1 + 5/6 + 5/6
+    assert abs(float(out.tau_probabilistic) - (1 + 5 / 6 + 5 / 6)) < 1e-5
+
+
+def test_masked_positions_carry_no_loss_and_label_is_detached():
+    rng = np.random.default_rng(0)
+    d = jnp.asarray(rng.standard_normal((2, 3, 5)), jnp.float32)
+    t = jnp.asarray(rng.standard_normal((2, 3, 5)), jnp.float32)
+    z = jnp.asarray(rng.standard_normal((2, 3)), jnp.float32)
+    mask = jnp.array([[True, False, True], [True, True, True]])
+    base = dspark_loss(d, t, jnp.zeros((2, 3), jnp.int32), z, mask).loss
+    # Position (0, 2) is cut by the prefix rule: changing it changes nothing.
+    moved = dspark_loss(d.at[0, 2].add(3.0), t.at[0, 2].add(-2.0), jnp.zeros((2, 3), jnp.int32), z.at[0, 2].add(5.0), mask).loss
+    assert abs(float(base) - float(moved)) < 1e-6
+    # The confidence gradient does not flow into the draft logits through the label.
+    g = jax.grad(lambda dd: dspark_loss(dd, t, jnp.zeros((2, 3), jnp.int32), z, mask, weights=(0.0, 0.0, 1.0)).loss)(d)
+    assert float(jnp.abs(g).max()) == 0.0
