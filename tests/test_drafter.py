@@ -157,3 +157,41 @@ def test_config_roundtrip_and_validation(target, tmp_path):
         DSparkConfig.from_target(target.config, markov_type="lstm")
     with pytest.raises(ValueError, match="never the last layer"):
         DSparkConfig.from_target(target.config, target_layer_ids=(3,))
+
+
+def test_paged_drafting_over_two_rounds_equals_dense_backbone(target):
+    """The serving path (draft context cache extended each round) equals the training backbone."""
+    from dspark_jax.forward_batch import build_forward_batch
+    from dspark_jax.kv_cache import KVCache
+
+    drafter = make(target, "rnn")
+    rng = np.random.default_rng(7)
+    d = target.config.hidden_size
+    ps, num_pages = 4, 40
+    lens0, accepted = [5, 9, 3], [2, 0, 3]  # prompt lengths; drafts accepted in round 1
+    total = [n + a + 1 + G for n, a in zip(lens0, accepted)]
+    taps = [jnp.asarray(rng.standard_normal((2, t, d)), jnp.float32) for t in total]
+    perm = list(rng.permutation(np.arange(1, num_pages)))
+    pages = [[int(perm.pop()) for _ in range(-(-t // ps))] for t in total]
+    cache = KVCache(*(jnp.zeros((2, num_pages, ps, target.config.num_key_value_heads, target.config.head_dim)),) * 2)
+    cached = [0, 0, 0]
+    anchors_tok = [11, 12, 13]
+    for rnd in range(2):
+        starts = [n if rnd == 0 else n + a + 1 for n, a in zip(lens0, accepted)]
+        # New context rows of every sequence, packed, with their slots.
+        rows, pos, slots = [], [], []
+        for s, st in enumerate(starts):
+            p = np.arange(cached[s], st)
+            rows.append(taps[s][:, cached[s]:st])
+            pos.extend(p)
+            slots.extend(np.asarray(pages[s])[p // ps] * ps + p % ps)
+        ctx_taps = jnp.concatenate(rows, axis=1)
+        blocks = [(np.array([anchors_tok[s]] + [3] * (G - 1)), st, pages[s]) for s, st in enumerate(starts)]
+        fb = build_forward_batch(blocks, page_size=ps, num_tokens=4 * G, num_seqs=4, pages_per_seq=max(map(len, pages)),
+                                 logits_rows="all", num_logits=4 * G)
+        h, base, cache = drafter.draft_paged(target, cache, ctx_taps, jnp.asarray(pos, jnp.int32),
+                                             jnp.asarray(slots, jnp.int32), fb)
+        for s, st in enumerate(starts):
+            dense = run_backbone(drafter, target, taps[s][:, None, :st], [st], [anchors_tok[s]])
+            np.testing.assert_allclose(np.asarray(h[s * G:(s + 1) * G]), np.asarray(dense.hidden[0, 0]), rtol=2e-4, atol=2e-4)
+        cached = starts

@@ -71,7 +71,7 @@ def _args(p):
                  ("q", "k", "v", "kv_lens", "page_table", "cu_q_lens", "num_seqs"))
 
 
-def _brute_force(p, sm_scale, layer=None):
+def _brute_force(p, sm_scale, layer=None, causal=True):
     """float64 numpy loop over sequences, rows and heads."""
     q = np.asarray(p["q"], np.float64)
     k = np.asarray(p["k"], np.float64)
@@ -89,7 +89,7 @@ def _brute_force(p, sm_scale, layer=None):
         K = k[table[s, pos // ps], pos % ps]  # [kl, hkv, d]
         V = v[table[s, pos // ps], pos % ps]
         for i in range(ql):
-            qp = kl - ql + i
+            qp = kl - ql + i if causal else kl - 1  # non-causal rows see the whole sequence
             for h in range(hq):
                 sc = K[:qp + 1, h // G] @ q[cu[s] + i, h] * sm_scale
                 w = np.exp(sc - sc.max())
@@ -168,6 +168,18 @@ def test_kernel_matches_reference(case):
     assert (out[p["rows"]:] == 0).all(), "tier padding rows must be zeros"
     tol = 1e-5 if dtype == np.float32 else 2e-2
     assert np.abs(out - ref).max() <= tol
+
+
+@pytest.mark.parametrize("order", ["per_row", "per_seq"])
+def test_non_causal_mode_matches_brute_force_and_kernel(order):
+    """causal=False: each row sees every token of its sequence (DSpark block queries)."""
+    rng = np.random.default_rng(23)
+    q_lens, kv_lens = ([4, 4, 4], [9, 30, 4]) if order == "per_row" else ([24, 4], [40, 7])
+    p = _problem(rng, q_lens, kv_lens, hq=4, hkv=2, d=16, page_size=4, dtype=np.float32)
+    ref = np.asarray(ragged_paged_attention_reference(*_args(p), sm_scale=0.25, causal=False))
+    np.testing.assert_allclose(ref, _brute_force(p, 0.25, causal=False), atol=1e-5, rtol=0)
+    out = np.asarray(ragged_paged_attention(*_args(p), sm_scale=0.25, causal=False, interpret=True))
+    assert np.abs(out - ref).max() <= 1e-5 and (out[p["rows"]:] == 0).all()
 
 
 def test_stacked_layers_under_scan():

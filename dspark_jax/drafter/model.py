@@ -21,7 +21,11 @@ from flax import nnx
 
 from dspark_jax.drafter.config import DSparkConfig
 from dspark_jax.drafter.markov import MarkovHead, _dense
+from dspark_jax.forward_batch import ForwardBatch
+from dspark_jax.kv_cache import KVCache
+from dspark_jax.layers.attention import paged_attention
 from dspark_jax.layers.norm import RMSNorm
+from pallas_kernels.ragged_paged_attention import write_kv_pages
 from dspark_jax.layers.rotary import apply_rope, rope_cos_sin
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
 
@@ -59,9 +63,31 @@ class DraftLayer(nnx.Module):
         k = jnp.concatenate([k_ctx, k_blk], axis=1)
         v = jnp.concatenate([v_ctx, v_blk], axis=1)
         attn = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=self.head_dim**-0.5)
-        x = x + self.o_proj(attn.reshape(B, Q, -1))
+        return self._finish(x, attn.reshape(B, Q, -1))
+
+    def _finish(self, x, attn):
+        x = x + self.o_proj(attn)
         gate, up = jnp.split(self.gate_up_proj(self.post_attention_layernorm(x)), 2, axis=-1)
         return x + self.down_proj(jax.nn.silu(gate) * up)
+
+    def paged(self, x, ctx, ctx_rope, ctx_slots, blk_rope, cache: KVCache, block: ForwardBatch, layer, *, backend):
+        """Serving path over the draft context cache.
+
+        ctx [Tc, d]: fused features of the context rows new since the last round, written into
+        the cache at ctx_slots (their own positions, sharing the target's page tables).  x
+        [Tq, d]: the packed blocks.  Block K/V are written at the block's positions too, so
+        that non-causal attention over kv_lens = anchor position + gamma sees context and whole
+        block; those slots are overwritten by real context rows after verification."""
+        Tq = x.shape[0]
+        k_c, v_c = self.kv(ctx[None], *ctx_rope)
+        kc, vc = write_kv_pages(cache.k, cache.v, k_c[0], v_c[0], ctx_slots, layer=layer)
+        h = self.input_layernorm(x)
+        q = self.q_norm(self.q_proj(h).reshape(Tq, self.num_heads, self.head_dim))
+        q = apply_rope(q, *blk_rope)
+        k_b, v_b = self.kv(h[None], *blk_rope)
+        attn, kc, vc = paged_attention(q, k_b[0], v_b[0], kc, vc, block, layer, sm_scale=self.head_dim**-0.5,
+                                       backend=backend, causal=False)
+        return self._finish(x, attn.reshape(Tq, -1)), KVCache(kc, vc)
 
 
 class DraftOutput(NamedTuple):
@@ -108,6 +134,43 @@ class DSparkDrafter(nnx.Module):
         x, _ = jax.lax.scan(body, x, layer_state)
         h = self.norm(x).reshape(B, N, G, -1)
         return DraftOutput(h, target.logits(h.astype(target.dtype)))
+
+    def draft_paged(
+        self,
+        target: Qwen3ForCausalLM,
+        cache: KVCache,
+        ctx_taps: jax.Array,
+        ctx_positions: jax.Array,
+        ctx_slots: jax.Array,
+        block: ForwardBatch,
+        *,
+        backend: str = "reference",
+    ) -> tuple[jax.Array, jax.Array, KVCache]:
+        """One drafting round for a packed batch, extending the draft context cache.
+
+        ctx_taps [m, Tc, d]: the target's tapped hidden states of the rows verified since the
+        last round (padding rows carry a sentinel slot); block: a ForwardBatch of gamma rows per
+        sequence ([anchor, MASK...] at anchor position + k) whose kv_lens are anchor position +
+        gamma.  Returns (hidden [Tq, d] final-normed, base logits [Tq, V] fp32, cache)."""
+        cfg = self.config
+        block = ForwardBatch(*(jnp.asarray(a) for a in block))
+        ctx = self.fuse_context(ctx_taps)
+        ctx_rope = rope_cos_sin(ctx_positions, cfg.head_dim, cfg.rope_theta)
+        blk_rope = rope_cos_sin(block.positions, cfg.head_dim, cfg.rope_theta)
+        x = target.embed_tokens(block.input_ids).astype(ctx.dtype)
+        layer_def, layer_state = nnx.split(self.layers)
+
+        def body(carry, xs):
+            h, kc, vc = carry
+            state, layer = xs
+            h, c = nnx.merge(layer_def, state).paged(h, ctx, ctx_rope, ctx_slots, blk_rope, KVCache(kc, vc), block,
+                                                      layer, backend=backend)
+            return (h, c.k, c.v), None
+
+        (x, kc, vc), _ = jax.lax.scan(body, (x, cache.k, cache.v),
+                                      (layer_state, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
+        h = self.norm(x)
+        return h, target.logits(h.astype(target.dtype)), KVCache(kc, vc)
 
     def confidence_logits(self, h: jax.Array, e: jax.Array | None) -> jax.Array:
         """z_k = w^T [h_k ; W1[x_prev,k]] + b: logit that draft k survives given 1..k-1 did."""

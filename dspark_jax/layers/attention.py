@@ -13,10 +13,7 @@ from __future__ import annotations
 import jax
 
 from dspark_jax.forward_batch import ForwardBatch
-from pallas_kernels.ragged_paged_attention.reference import (
-    ragged_paged_attention_reference,
-    write_kv_pages_reference,
-)
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention_op, write_kv_pages
 
 BACKENDS = ("reference", "pallas")
 
@@ -30,14 +27,6 @@ def resolve_backend(name: str) -> str:
     return name
 
 
-def _attention_fn(backend: str):
-    if backend == "pallas":
-        from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention
-
-        return ragged_paged_attention
-    return ragged_paged_attention_reference
-
-
 def paged_attention(
     q: jax.Array,
     k: jax.Array,
@@ -49,12 +38,11 @@ def paged_attention(
     *,
     sm_scale: float,
     backend: str,
+    causal: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [T,Hq,D], k/v [T,Hkv,D] -> (out [T,Hq,D], k_cache, v_cache)."""
-    k_cache, v_cache = write_kv_pages_reference(
-        k_cache, v_cache, k, v, batch.slot_mapping, layer=layer
-    )
-    out = _attention_fn(backend)(
+    k_cache, v_cache = write_kv_pages(k_cache, v_cache, k, v, batch.slot_mapping, layer=layer)
+    out = ragged_paged_attention_op(
         q,
         k_cache,
         v_cache,
@@ -64,5 +52,7 @@ def paged_attention(
         batch.num_seqs,
         sm_scale=sm_scale,
         layer=layer,
+        causal=causal,
+        backend=backend,
     )
     return out, k_cache, v_cache

@@ -28,6 +28,7 @@ def ragged_paged_attention_op(
     *,
     sm_scale: float,
     layer=None,
+    causal: bool = True,
     backend: str = "pallas",
     interpret: bool | None = None,
     **kernel_kwargs,
@@ -43,14 +44,14 @@ def ragged_paged_attention_op(
     if backend == "reference":
         return ragged_paged_attention_reference(
             q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs,
-            sm_scale=sm_scale, layer=layer,
+            sm_scale=sm_scale, layer=layer, causal=causal,
         )
     if backend == "pallas":
         if interpret is None:
             interpret = jax.default_backend() != "gpu"
         return ragged_paged_attention(
             q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs,
-            sm_scale=sm_scale, layer=layer, interpret=interpret, **kernel_kwargs,
+            sm_scale=sm_scale, layer=layer, causal=causal, interpret=interpret, **kernel_kwargs,
         )
     raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
 

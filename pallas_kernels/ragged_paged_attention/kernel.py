@@ -207,6 +207,7 @@ def _kernel(
     scale_log2: float,
     stacked: bool,
     precision,
+    causal: bool,
 ):
     S, T, G = num_seqs_max, num_tokens, group
     BQ, GP, BM, BN, NS = cfg.block_q, cfg.heads_pad, cfg.block_m, cfg.block_n, cfg.num_splits
@@ -232,7 +233,10 @@ def _kernel(
         seq_c = jnp.minimum(seq, S - 1)
         kv_len = jnp.where(is_pad, 0, kv_lens_ref[seq_c])
         rows_here = jnp.minimum(BQ, q_len - row0)
-        kv_end = jnp.maximum(jnp.where(is_pad, 0, kv_len - q_len + row0 + rows_here), 0)
+        if causal:
+            kv_end = jnp.maximum(jnp.where(is_pad, 0, kv_len - q_len + row0 + rows_here), 0)
+        else:  # every row sees the whole cached range
+            kv_end = jnp.where(is_pad, 0, kv_len)
 
         m_idx = lax.iota(i32, BM)
         t_loc = lax.div(m_idx, GP)
@@ -247,7 +251,8 @@ def _kernel(
         # updates, so they never race a real row; on the GPU the mask keeps them unwritten.
         tok_st = jnp.where(row_ok, q_start + row0 + t_loc, T)[:, None]
         row_mask = row_ok[:, None]
-        q_pos = kv_len - q_len + row0 + t_loc  # absolute position of each row
+        # absolute position of each row (non-causal: as if every row were the last one)
+        q_pos = kv_len - q_len + row0 + t_loc if causal else kv_len - 1 + 0 * t_loc
 
         q = pltriton.load(q_ref.at[tok_ld, head_ld, d_idx], mask=row_mask, other=0)
 
@@ -322,7 +327,7 @@ def _combine_splits(o_part: jax.Array, lse: jax.Array, dtype) -> jax.Array:
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "sm_scale", "interpret", "block_q", "block_n", "num_splits", "num_warps", "num_stages",
+        "sm_scale", "interpret", "block_q", "block_n", "num_splits", "num_warps", "num_stages", "causal",
     ),
 )
 def ragged_paged_attention(
@@ -336,6 +341,7 @@ def ragged_paged_attention(
     *,
     sm_scale: float,
     layer: jax.Array | None = None,
+    causal: bool = True,
     interpret: bool = False,
     block_q: int | None = None,
     block_n: int | None = None,
@@ -344,6 +350,9 @@ def ragged_paged_attention(
     num_stages: int | None = None,
 ) -> jax.Array:
     """Pallas (Triton backend) ragged paged attention; semantics of the reference.
+
+    ``causal=False`` lets every query row see all of its sequence's ``kv_lens`` tokens (the
+    DSpark drafter's block queries attend to their whole block, not a causal prefix of it).
 
     Knobs (all static, ``None`` = automatic, see ``block_config``): ``block_q`` query tokens per
     program, ``block_n`` kv tokens per tile, ``num_splits`` flash-decoding splits of the KV
@@ -375,6 +384,7 @@ def ragged_paged_attention(
         scale_log2=float(sm_scale) * _LOG2E,
         stacked=stacked,
         precision=precision,
+        causal=causal,
     )
     NS = cfg.num_splits
     if NS == 1:

@@ -15,7 +15,9 @@ Layout (vLLM-style, one page holds `page_size` consecutive tokens of one sequenc
 
 Query row i of sequence s sits at absolute position ``kv_lens[s] - q_len[s] + i`` and sees the
 keys at positions ``<= `` its own (bottom-right causal), so one definition covers prefill chunks,
-decode (q_len 1) and multi-token verify.  Padding rows return zeros.
+decode (q_len 1) and multi-token verify.  With ``causal=False`` every row instead sees all
+``kv_lens[s]`` tokens of its sequence (the DSpark drafter's block queries see their whole
+block).  Padding rows return zeros.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def ragged_paged_attention_reference(
     *,
     sm_scale: float,
     layer: jax.Array | None = None,
+    causal: bool = True,
 ) -> jax.Array:
     T, Hq, D = q.shape
     S, P = page_table.shape
@@ -73,6 +76,8 @@ def ragged_paged_attention_reference(
     G = Hq // Hkv
     K = P * page_size
     seq, q_pos, valid = _token_geometry(T, kv_lens, cu_q_lens, num_seqs)
+    if not causal:
+        q_pos = kv_lens[seq] - 1
     qg = q.reshape(T, Hkv, G, D).astype(jnp.float32)
     k_pos = jnp.arange(K, dtype=jnp.int32)
 
