@@ -1,0 +1,249 @@
+"""Confidence scheduler: how many draft tokens to verify per step, and whose.
+
+The decision has two parts (DSpark paper section 5.2, SGLang's planner):
+
+1. **Batch budget K** (extra verify tokens beyond each request's anchor), chosen on the host from
+   survival observed ``lag`` steps ago (default 2).  With ``a_1 >= a_2 >= ...`` the lagged
+   survivals of all (request, position) pairs, fresh or recycled slots counting 1 everywhere::
+
+       tau(n) = R + a_1 + ... + a_n        expected committed tokens (one bonus per request)
+       T(n)   = table.predict(R, n)        predicted step seconds
+       K      = argmax over n = 0..#candidates of tau(n) / T(n)
+
+   The argmax is global: tiers make the cost a staircase, so tau/T is not unimodal and a greedy
+   walk that stops at the first dip would never cross a riser to the better plateau beyond it.
+   Exact ties go to the smaller n (``np.argmax``, as SGLang): same predicted throughput for less
+   device work.  Without a cost table K = R * gamma, i.e. verify everything.
+
+2. **Per-request lengths**: the global top-K of the *current* step's survival, ranked by value,
+   ties broken by position and then request index (never by value, so the rule is the same for
+   any data).  Survival is a cumulative product of confidences in [0, 1], hence non-increasing
+   along a row; with ties going to the lower position, a row's position j can only be chosen if
+   every earlier position of that row was, so each request's selection is a prefix and its
+   verify length ``1 + count`` is a valid window.
+
+Why trimming stays lossless.  Speculative sampling is exact whatever the verify lengths, as long
+as the decision to verify draft ``x_{r,j}`` does not depend on ``x_{r,j}`` itself or on anything
+after it; above all no decision may depend on whether step t's drafts will be *accepted*, i.e. on
+the target's outputs.  The target has not run when these decisions are made, and:
+
+* K, and therefore the compiled tier, is computed only from data of step ``t - lag``; it is
+  independent of everything drafted at step t.
+* The allocation does use step t's confidence, which the drafter computes from its own draft (the
+  sequential head feeds the previous draft token into position j's confidence).  But whether
+  (r, j) is in the top K depends only on ``s_{r,1..j}`` and on other requests: later positions of
+  row r rank below it (smaller or equal value, later position).  ``s_{r,j}`` is built from
+  ``x_{r,<j}``, so the verify decision for ``x_{r,j}`` is a stopping rule over the drafts before
+  it.  What would break this is a budget taken from the current survival (a global argmax over
+  step t's confidence), where admitting ``x_{r,j}`` could hinge on ``c_{r,j+1}``, a function of
+  ``x_{r,j}`` (the paper's appendix A counterexample); hence the lag.
+
+The lag ring.  Survival reaches the host asynchronously, so the budget of step t reads the ring
+entry of step ``t - lag``.  Rows are keyed by slot (an index into the fixed max-batch arrays) and
+the request's generation id in that slot: a slot recycled for a new request, a slot not observed
+at ``t - lag``, a negative generation (empty slot) or fewer than ``lag`` observed steps all read
+as fresh, survival 1 (optimistic: a new request never inherits another one's confidence).
+
+Everything here is numpy on the host; a step at R = 256, gamma = 7 costs well under a
+millisecond (argpartition for the top-K, one sort for the budget).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from typing import NamedTuple
+
+import numpy as np
+
+from dspark_jax.speculative.cost_model import AdditiveCostTable
+
+SURVIVAL_EPS = 1e-6  # lagged survivals below this are not budget candidates (as SGLang)
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetDecision:
+    budget: int  # K: verify tokens beyond the anchors, in [0, R * gamma]
+    num_candidates: int  # lagged survivals >= SURVIVAL_EPS (the argmax range is 0..this)
+    expected_tokens: float  # tau(K) on the lagged survival
+    predicted_step_seconds: float | None  # T(R, K); None without a table
+    predicted_tokens_per_second: float | None  # tau(K) / T(R, K)
+    guard_applied: bool = False  # the min-gain guard overrode the argmax with verify-all
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepRecord:
+    """What one step decided, for logs and metrics."""
+
+    step: int
+    batch_size: int
+    budget: int
+    verify_lens: np.ndarray  # [R] int32, anchor included, in 1..gamma+1
+    expected_tokens: float
+    predicted_step_seconds: float | None
+    guard_applied: bool
+
+
+class LaggedSurvival(NamedTuple):
+    survival: np.ndarray  # [R, gamma] float; 1.0 on fresh rows
+    fresh: np.ndarray  # [R] bool
+
+
+def _survival_matrix(survival, block_size: int, what: str) -> np.ndarray:
+    s = np.asarray(survival)
+    if s.ndim != 2 or s.shape[1] != block_size:
+        raise ValueError(f"{what} must have shape [R, {block_size}], got {s.shape}")
+    if not np.all(np.isfinite(s)) or (s.size and (s.min() < 0 or s.max() > 1)):
+        raise ValueError(f"{what} must be finite probabilities in [0, 1]")
+    return s
+
+
+class ConfidenceScheduler:
+    def __init__(self, block_size: int, cost_table: AdditiveCostTable | None, lag: int = 2,
+                 min_predicted_gain: float | None = None):
+        """block_size: gamma.  cost_table: None means verify all.  lag: steps between the
+        survival a budget uses and the step it is for (>= 1; see module doc).
+        min_predicted_gain: g >= 0; trim only if predicted throughput beats verify-all by (1 + g)."""
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if lag < 1:
+            raise ValueError(f"lag must be >= 1: a budget from the current step's survival is not lossless, got {lag}")
+        if min_predicted_gain is not None and not min_predicted_gain >= 0:
+            raise ValueError(f"min_predicted_gain must be >= 0 or None, got {min_predicted_gain}")
+        self.block_size = int(block_size)
+        self.cost_table = cost_table
+        self.lag = int(lag)
+        self.min_predicted_gain = min_predicted_gain
+        self._ring: deque[tuple[int, np.ndarray, np.ndarray]] = deque(maxlen=self.lag + 1)
+
+    # -- role 1: the batch budget -------------------------------------------------------
+    def decide_budget(self, lagged_survival, fresh_mask) -> BudgetDecision:
+        """K = global argmax of tau(n) / T(R, n) over n = 0..#candidates (module doc).
+
+        The min-gain guard compares the argmax with verify-all (K = R * gamma, tau over every
+        candidate) and keeps verify-all unless the argmax's predicted throughput is at least
+        ``1 + g`` times higher: noise in calibration or timing should not buy an unproven trim."""
+        s = _survival_matrix(lagged_survival, self.block_size, "lagged_survival")
+        fresh = np.asarray(fresh_mask, dtype=bool)
+        if fresh.shape != (s.shape[0],):
+            raise ValueError(f"fresh_mask must have shape [{s.shape[0]}], got {fresh.shape}")
+        num_rows = s.shape[0]
+        full = num_rows * self.block_size
+        vals = np.where(fresh[:, None], 1.0, s.astype(np.float64)).ravel()
+        cands = np.sort(vals[vals >= SURVIVAL_EPS])[::-1]
+        tau = num_rows + np.concatenate([[0.0], np.cumsum(cands)])  # tau[n], n = 0..#cands
+        table = self.cost_table
+        if table is None:
+            return BudgetDecision(full, cands.size, float(tau[-1]), None, None)
+
+        step_seconds = table.predict(num_rows, np.arange(cands.size + 1))
+        throughput = tau / step_seconds
+        k = int(np.argmax(throughput))  # first maximum: ties go to the smaller budget
+        if self.min_predicted_gain is not None and k != full:
+            full_seconds = table.predict(num_rows, full)
+            full_throughput = float(tau[-1]) / full_seconds  # tau over all candidates ~ tau(full)
+            if throughput[k] < full_throughput * (1.0 + self.min_predicted_gain):
+                return BudgetDecision(full, cands.size, float(tau[-1]), full_seconds, full_throughput, True)
+        return BudgetDecision(k, cands.size, float(tau[k]), float(step_seconds[k]), float(throughput[k]))
+
+    def budget(self, lagged_survival, fresh_mask) -> int:
+        """K for a step: see ``decide_budget`` for the full record."""
+        return self.decide_budget(lagged_survival, fresh_mask).budget
+
+    # -- role 2: per-request verify lengths ---------------------------------------------
+    def verify_lens(self, current_survival, budget: int) -> np.ndarray:
+        """Verify length per request (anchor included, 1..gamma+1) from the global top-``budget``.
+
+        Ranking: survival descending, then position ascending, then request ascending.  Exactly
+        ``min(budget, R * gamma)`` draft positions are chosen, each request's a prefix."""
+        s = _survival_matrix(current_survival, self.block_size, "current_survival")
+        if budget < 0:
+            raise ValueError(f"budget must be >= 0, got {budget}")
+        if s.shape[1] > 1:
+            bad = np.flatnonzero(np.any(s[:, 1:] > s[:, :-1], axis=1))
+            if bad.size:
+                raise ValueError(
+                    f"survival must be non-increasing along positions (a cumulative product of confidences); "
+                    f"rows {bad[:8].tolist()} are not, e.g. row {bad[0]}: {s[bad[0]].tolist()}"
+                )
+        num_rows = s.shape[0]
+        k = min(int(budget), s.size)
+        if k == 0:
+            return np.ones(num_rows, np.int32)
+        if k == s.size:
+            return np.full(num_rows, self.window, np.int32)
+        # Position-major flattening (index = j * R + r) puts candidates in tie-break order.
+        flat = s.T.ravel()
+        kth = np.partition(flat, flat.size - k)[flat.size - k]  # the k-th largest value
+        take = flat > kth
+        need = k - int(np.count_nonzero(take))
+        take[np.flatnonzero(flat == kth)[:need]] = True  # ties at the threshold: lowest (j, r) first
+        chosen = take.reshape(self.block_size, num_rows)
+        # Prefix property (see module doc): a row's chosen positions never have a gap.
+        if np.any(chosen[1:] & ~chosen[:-1]):
+            raise AssertionError("top-K selection is not a prefix per request; survival ordering is broken")
+        return (1 + np.count_nonzero(chosen, axis=0)).astype(np.int32)
+
+    @property
+    def window(self) -> int:
+        return self.block_size + 1
+
+    # -- the lag ring --------------------------------------------------------------------
+    def observe(self, step: int, survival, slot_generation, slots=None) -> None:
+        """Record step ``step``'s survival [R, gamma] for the requests in ``slots`` (default
+        0..R-1), with each slot's generation id.  Steps must increase."""
+        s = _survival_matrix(survival, self.block_size, "survival")
+        slots_arr, gens = self._rows(s.shape[0], slot_generation, slots)
+        if self._ring and step <= self._ring[-1][0]:
+            raise ValueError(f"observed steps must increase: got {step} after {self._ring[-1][0]}")
+        size = int(slots_arr.max()) + 1 if slots_arr.size else 1
+        gen_by_slot = np.full(size, -1, np.int64)
+        surv_by_slot = np.ones((size, self.block_size), np.float64)
+        gen_by_slot[slots_arr] = gens
+        surv_by_slot[slots_arr] = s
+        self._ring.append((int(step), gen_by_slot, surv_by_slot))
+
+    def lagged(self, step: int, slot_generation, slots=None) -> LaggedSurvival:
+        """Survival observed at ``step - lag`` for these slots; fresh (1.0) where unknown."""
+        slots_arr, gens = self._rows(None, slot_generation, slots)
+        num_rows = slots_arr.size
+        entry = next((e for e in self._ring if e[0] == step - self.lag), None)
+        if entry is None:
+            return LaggedSurvival(np.ones((num_rows, self.block_size)), np.ones(num_rows, bool))
+        _, gen_by_slot, surv_by_slot = entry
+        known = slots_arr < gen_by_slot.size
+        idx = np.where(known, slots_arr, 0)
+        same = known & (gens >= 0) & (gen_by_slot[idx] == gens)
+        survival = np.where(same[:, None], surv_by_slot[idx], 1.0)
+        return LaggedSurvival(survival, ~same)
+
+    def reset(self) -> None:
+        """Forget every observation (all rows read fresh until ``lag`` more steps are seen)."""
+        self._ring.clear()
+
+    @staticmethod
+    def _rows(num_rows: int | None, slot_generation, slots) -> tuple[np.ndarray, np.ndarray]:
+        gens = np.asarray(slot_generation, dtype=np.int64).reshape(-1)
+        if num_rows is not None and gens.size != num_rows:
+            raise ValueError(f"slot_generation has {gens.size} entries for {num_rows} rows")
+        slots_arr = np.arange(gens.size) if slots is None else np.asarray(slots, dtype=np.int64).reshape(-1)
+        if slots_arr.size != gens.size:
+            raise ValueError(f"slots has {slots_arr.size} entries but slot_generation has {gens.size}")
+        if slots_arr.size and slots_arr.min() < 0:
+            raise ValueError("slot indices must be >= 0")
+        if np.unique(slots_arr).size != slots_arr.size:
+            raise ValueError("slot indices must be distinct")
+        return slots_arr, gens
+
+    # -- one synchronous step --------------------------------------------------------------
+    def plan_step(self, step: int, current_survival, slot_generation, slots=None) -> StepRecord:
+        """Budget from the lag ring, allocation on ``current_survival``, then record it.
+
+        For engines that decide on the host right after drafting; an overlapped engine calls
+        ``lagged`` + ``decide_budget`` before the draft lands and ``verify_lens`` after."""
+        lag = self.lagged(step, slot_generation, slots)
+        decision = self.decide_budget(lag.survival, lag.fresh)  # before step t's survival is read
+        lens = self.verify_lens(current_survival, decision.budget)
+        self.observe(step, current_survival, slot_generation, slots)
+        return StepRecord(step, lens.size, decision.budget, lens, decision.expected_tokens,
+                          decision.predicted_step_seconds, decision.guard_applied)

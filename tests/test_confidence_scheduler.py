@@ -1,0 +1,326 @@
+"""Confidence scheduler: prefix-shaped top-K, tie-break, global budget argmax, lag ring, guard."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from dspark_jax.speculative.cost_model import AdditiveCostTable
+from dspark_jax.speculative.scheduler import SURVIVAL_EPS, ConfidenceScheduler
+
+GAMMA = 7
+W = GAMMA + 1
+
+
+def _random_survival(rng, rows, gamma=GAMMA, quantised=False):
+    if quantised:  # many exact ties, and zeros
+        conf = rng.choice([1.0, 1.0, 0.5, 0.25, 0.0], size=(rows, gamma))
+    else:
+        conf = rng.uniform(0.0, 1.0, size=(rows, gamma)) ** 0.3
+    return np.cumprod(conf, axis=1)
+
+
+def _reference_lens(s, k):
+    """Independent top-K: rank by (survival desc, position asc, request asc) with lexsort."""
+    rows, gamma = s.shape
+    r, j = np.meshgrid(np.arange(rows), np.arange(gamma), indexing="ij")
+    order = np.lexsort((r.ravel(), j.ravel(), -s.ravel()))  # last key is primary
+    counts = np.zeros(rows, int)
+    for idx in order[:k]:
+        counts[r.ravel()[idx]] += 1
+    return 1 + counts
+
+
+# -- role 2: verify lengths -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_topk_selection_is_a_prefix_and_matches_reference(seed):
+    rng = np.random.default_rng(seed)
+    rows = int(rng.integers(1, 40))
+    s = _random_survival(rng, rows, quantised=seed % 2 == 1)
+    if seed % 4 == 2:
+        s = s.astype(np.float32)
+    sched = ConfidenceScheduler(GAMMA, None)
+    for k in sorted({0, 1, rows, int(rng.integers(0, rows * GAMMA + 1)), rows * GAMMA, rows * GAMMA + 5}):
+        lens = sched.verify_lens(s, k)
+        assert lens.dtype == np.int32 and lens.shape == (rows,)
+        assert np.all((1 <= lens) & (lens <= W))
+        assert int(np.sum(lens - 1)) == min(k, rows * GAMMA)
+        np.testing.assert_array_equal(lens, _reference_lens(s, k))
+        # Prefix: every chosen position's survival is >= every unchosen one's in the same row,
+        # and the chosen set is exactly positions 0..lens-2 (implied by counting, checked anyway).
+        for r in range(rows):
+            chosen, rest = s[r, : lens[r] - 1], s[r, lens[r] - 1:]
+            assert chosen.size == 0 or rest.size == 0 or chosen.min() >= rest.max()
+
+
+def test_tie_break_is_position_then_request():
+    sched = ConfidenceScheduler(GAMMA, None)
+    ones = np.ones((5, GAMMA))
+    assert sched.verify_lens(ones, 3).tolist() == [2, 2, 2, 1, 1]  # position 0 of requests 0,1,2
+    assert sched.verify_lens(ones, 5 + 2).tolist() == [3, 3, 2, 2, 2]  # all of position 0, then position 1
+    assert sched.verify_lens(ones, 5 * 3 + 4).tolist() == [5, 5, 5, 5, 4]
+    # A mixed tie: request 1's position 0 equals request 0's position 1; position wins.
+    s = np.array([[0.9, 0.6, 0.1], [0.6, 0.6, 0.0]])
+    assert ConfidenceScheduler(3, None).verify_lens(s, 2).tolist() == [2, 2]
+    assert ConfidenceScheduler(3, None).verify_lens(s, 3).tolist() == [3, 2]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_verify_decision_for_a_draft_ignores_later_positions_of_its_row(seed):
+    """The stopping-rule property behind losslessness: whether (r, j) is verified depends on
+    s[r, :j+1] and other rows, never on s[r, j+1:] (which depends on draft x[r, j])."""
+    rng = np.random.default_rng(100 + seed)
+    rows = 12
+    s = _random_survival(rng, rows, quantised=seed % 2 == 0)
+    sched = ConfidenceScheduler(GAMMA, None)
+    r, j = int(rng.integers(rows)), int(rng.integers(GAMMA - 1))
+    changed = s.copy()
+    changed[r, j + 1:] = s[r, j] * np.cumprod(rng.uniform(0, 1, GAMMA - j - 1))
+    for k in range(rows * GAMMA + 1):
+        a, b = sched.verify_lens(s, k)[r] - 1, sched.verify_lens(changed, k)[r] - 1
+        assert min(a, j + 1) == min(b, j + 1)
+
+
+def test_verify_lens_rejects_bad_survival():
+    sched = ConfidenceScheduler(3, None)
+    with pytest.raises(ValueError, match="non-increasing"):
+        sched.verify_lens(np.array([[0.9, 0.95, 0.1]]), 2)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        sched.verify_lens(np.array([[1.5, 0.5, 0.1]]), 2)
+    with pytest.raises(ValueError, match="finite"):
+        sched.verify_lens(np.array([[np.nan, 0.5, 0.1]]), 2)
+    with pytest.raises(ValueError, match="shape"):
+        sched.verify_lens(np.ones((2, 4)), 2)
+    with pytest.raises(ValueError, match="budget"):
+        sched.verify_lens(np.ones((2, 3)), -1)
+    assert sched.verify_lens(np.ones((0, 3)), 4).shape == (0,)
+
+
+# -- role 1: the budget ---------------------------------------------------------------------
+
+
+def _interp(x, xs, ys):
+    """Plain-Python clamped piecewise-linear interpolation (independent of np.interp)."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            return ys[i - 1] + (x - xs[i - 1]) * (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
+    raise AssertionError
+
+
+def _brute_force(table_args, survival, fresh):
+    bias, bsp, alpha, mp, theta = table_args
+    rows = len(survival)
+    cands = []
+    for r in range(rows):
+        for j in range(len(survival[r])):
+            v = 1.0 if fresh[r] else float(survival[r][j])
+            if v >= SURVIVAL_EPS:
+                cands.append(v)
+    cands.sort(reverse=True)
+    best_n, best, values = 0, None, []
+    for n in range(len(cands) + 1):
+        tau = rows + sum(cands[:n])
+        t = bias + _interp(rows, bsp, alpha) + _interp(rows + n, mp, theta)
+        values.append(tau / t)
+        if best is None or tau / t > best:
+            best, best_n = tau / t, n
+    return best_n, values
+
+
+def _staircase(tiers, risers, bias=1e-3):
+    """theta flat on (tier_{i-1}, tier_i], rising by risers[i] right after tier_i."""
+    mp, theta, level = [], [], 0.0
+    for t, rise in zip(tiers, risers):
+        mp += [t, t + 1]
+        theta += [level, level + rise]
+        level += rise
+    return (bias, [1.0, 256.0], [0.0, 0.0], mp[:-1], theta[:-1])
+
+
+def test_budget_stops_right_before_a_riser_and_is_global_not_first_local_max():
+    rows = 4
+    args = _staircase(tiers=[8, 16, 24, 32], risers=[2e-4, 8e-4, 2e-4, 0.0])
+    table = AdditiveCostTable(*args)
+    survival = np.tile([0.97, 0.95, 0.93, 0.2, 0.1, 0.05, 0.02], (rows, 1))
+    fresh = np.zeros(rows, bool)
+    expected, values = _brute_force(args, survival.tolist(), fresh)
+    decision = ConfidenceScheduler(GAMMA, table).decide_budget(survival, fresh)
+    assert decision.budget == expected == 12  # M = 4 + 12 = 16: the last token before the riser at 17
+    # Not unimodal: a local maximum at n = 4 (M = 8), a dip, then the global one at n = 12.
+    assert values[4] > values[5] and values[12] > values[4]
+    first_local_max = next(n for n in range(len(values) - 1) if values[n + 1] < values[n])
+    assert first_local_max == 4 != decision.budget
+    assert decision.expected_tokens == pytest.approx(rows + 4 * (0.97 + 0.95 + 0.93))
+    assert decision.predicted_step_seconds == pytest.approx(1e-3 + 2e-4)
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_budget_equals_brute_force_argmax_on_random_staircases(seed):
+    rng = np.random.default_rng(seed)
+    rows = int(rng.integers(1, 24))
+    tiers = np.unique(rng.integers(1, rows * W + 8, size=6))
+    tiers = [int(x) for i, x in enumerate(tiers) if i == 0 or x - tiers[i - 1] >= 2]  # probes stay increasing
+    args = _staircase(tiers, list(rng.uniform(0, 2e-3, len(tiers))), bias=float(rng.uniform(1e-3, 5e-3)))
+    bsp = sorted({float(x) for x in rng.integers(1, 64, 3)})
+    args = (args[0], bsp, list(rng.uniform(0, 1e-3, len(bsp))), args[3], args[4])
+    table = AdditiveCostTable(*args)
+    survival = _random_survival(rng, rows, quantised=seed % 3 == 0)
+    fresh = rng.random(rows) < 0.2
+    expected, values = _brute_force(args, survival.tolist(), fresh)
+    got = ConfidenceScheduler(GAMMA, table).budget(survival, fresh)
+    assert got == expected or values[got] == pytest.approx(values[expected], rel=1e-12)
+
+
+def test_budget_ties_go_to_the_smaller_budget():
+    c = 2.0 ** -10  # theta(M) = c * M exactly, no bias: tau(n) / T(n) = 1 / c for every n
+    table = AdditiveCostTable(0.0, [1.0], [0.0], [1.0, 1000.0], [c, 1000 * c])
+    decision = ConfidenceScheduler(GAMMA, table).decide_budget(np.ones((3, GAMMA)), np.zeros(3, bool))
+    assert decision.budget == 0
+    assert decision.predicted_tokens_per_second == 1 / c
+
+
+def test_fresh_rows_count_as_survival_one_and_eps_drops_candidates():
+    table = AdditiveCostTable(1e-3, [1.0], [0.0], [0.0, 100.0], [0.0, 0.0])  # flat: everything is free
+    sched = ConfidenceScheduler(GAMMA, table)
+    s = np.zeros((3, GAMMA))
+    s[0, :2] = [0.5, 1e-7]  # 1e-7 < eps: not a candidate
+    d = sched.decide_budget(s, np.array([False, True, False]))
+    assert d.num_candidates == 1 + GAMMA
+    assert d.budget == 1 + GAMMA  # flat cost: verify every candidate
+    assert d.expected_tokens == pytest.approx(3 + 0.5 + GAMMA)
+
+
+def test_no_table_means_verify_all():
+    sched = ConfidenceScheduler(GAMMA, None)
+    s = np.full((6, GAMMA), 0.01)
+    d = sched.decide_budget(s, np.zeros(6, bool))
+    assert d.budget == 6 * GAMMA and d.predicted_step_seconds is None and not d.guard_applied
+    assert sched.verify_lens(s, d.budget).tolist() == [W] * 6
+    rec = sched.plan_step(0, s, np.arange(6))
+    assert rec.budget == 6 * GAMMA and rec.verify_lens.tolist() == [W] * 6
+
+
+def test_min_gain_guard():
+    # A nearly flat curve: trimming the weak tail saves a little time.
+    table = AdditiveCostTable(5e-3, [1.0], [0.0], [0.0, 64.0], [0.0, 4e-4])
+    rows = 8
+    s = np.tile([0.9, 0.8, 0.7, 0.01, 0.008, 0.006, 0.004], (rows, 1))
+    fresh = np.zeros(rows, bool)
+    free = ConfidenceScheduler(GAMMA, table).decide_budget(s, fresh)
+    assert free.budget < rows * GAMMA
+    full_tput = (rows + s.sum()) / table.predict(rows, rows * GAMMA)
+    gain = free.predicted_tokens_per_second / full_tput - 1
+    assert 0 < gain < 0.05
+    below = ConfidenceScheduler(GAMMA, table, min_predicted_gain=gain / 2).decide_budget(s, fresh)
+    assert below.budget == free.budget and not below.guard_applied
+    above = ConfidenceScheduler(GAMMA, table, min_predicted_gain=0.05).decide_budget(s, fresh)
+    assert above.budget == rows * GAMMA and above.guard_applied
+    assert above.predicted_tokens_per_second == pytest.approx(full_tput)
+    # Raising the threshold never trims more.
+    budgets = [ConfidenceScheduler(GAMMA, table, min_predicted_gain=g).budget(s, fresh)
+               for g in (0.0, gain / 4, gain / 2, gain * 2, 0.1, 1.0)]
+    assert budgets == sorted(budgets)
+    with pytest.raises(ValueError):
+        ConfidenceScheduler(GAMMA, table, min_predicted_gain=-0.1)
+
+
+# -- the lag ring ---------------------------------------------------------------------------
+
+
+def test_fresh_until_lag_steps_are_observed():
+    sched = ConfidenceScheduler(GAMMA, None, lag=2)
+    gens = np.arange(4)
+    s = np.full((4, GAMMA), 0.5)
+    assert sched.lagged(0, gens).fresh.all()
+    sched.observe(0, s, gens)
+    assert sched.lagged(1, gens).fresh.all()  # step -1 was never seen
+    sched.observe(1, s * 0.5, gens)
+    lag = sched.lagged(2, gens)
+    assert not lag.fresh.any()
+    np.testing.assert_array_equal(lag.survival, s)  # from step 0, not step 1
+    np.testing.assert_array_equal(sched.lagged(3, gens).survival, s * 0.5)
+    sched.reset()
+    assert sched.lagged(2, gens).fresh.all()
+    with pytest.raises(ValueError, match="lag must be >= 1"):
+        ConfidenceScheduler(GAMMA, None, lag=0)
+
+
+def test_recycled_empty_and_unseen_slots_read_fresh():
+    sched = ConfidenceScheduler(3, None, lag=1)
+    s = np.array([[0.9, 0.5, 0.2], [0.8, 0.4, 0.1], [0.7, 0.3, 0.0]])
+    sched.observe(10, s, slot_generation=[5, 6, 7], slots=[0, 2, 3])
+    # slot 0 same request; slot 2 recycled (gen 9); slot 3 same; slot 1 never observed;
+    # slot 7 past anything observed; slot 4 empty (negative generation).
+    lag = sched.lagged(11, slot_generation=[5, 9, 7, 3, 1, -1], slots=[0, 2, 3, 1, 7, 4])
+    assert lag.fresh.tolist() == [False, True, False, True, True, True]
+    np.testing.assert_array_equal(lag.survival[0], s[0])
+    np.testing.assert_array_equal(lag.survival[2], s[2])
+    np.testing.assert_array_equal(lag.survival[[1, 3, 4, 5]], 1.0)
+    with pytest.raises(ValueError, match="increase"):
+        sched.observe(10, s, [5, 6, 7], slots=[0, 2, 3])
+    with pytest.raises(ValueError, match="distinct"):
+        sched.observe(12, s, [5, 6, 7], slots=[0, 0, 3])
+
+
+def test_budget_depends_only_on_lagged_data():
+    """Changing step t's (and t-1's) survival arbitrarily never changes step t's budget."""
+    rng = np.random.default_rng(7)
+    table = AdditiveCostTable(2e-3, [1.0, 64.0], [0.0, 1e-3], [0.0, 64.0, 65.0, 128.0, 129.0, 512.0],
+                              [0.0, 1e-3, 3e-3, 4e-3, 7e-3, 9e-3])
+    rows, steps = 16, 12
+    history = [_random_survival(rng, rows) for _ in range(steps)]
+    gens = np.arange(rows)
+    gens_at = [np.where((gens == 3) & (u >= 6), 100, gens) for u in range(steps)]  # slot 3 recycled at 6
+    reference = ConfidenceScheduler(GAMMA, table, lag=2)
+    budgets = [reference.plan_step(t, history[t], gens_at[t]).budget for t in range(steps)]
+    for t in range(steps):
+        sched = ConfidenceScheduler(GAMMA, table, lag=2)
+        for u in range(t + 1):
+            current = history[u] if u < t - 1 else _random_survival(rng, rows)  # t-1 and t perturbed
+            rec = sched.plan_step(u, current, gens_at[u])
+        assert rec.budget == budgets[t]
+    # Budget at step t equals a direct decision on step t-2's survival (fresh where recycled).
+    for t in range(2, steps):
+        fresh = gens_at[t] != gens_at[t - 2]
+        assert budgets[t] == ConfidenceScheduler(GAMMA, table).budget(history[t - 2], fresh)
+    all_fresh = ConfidenceScheduler(GAMMA, table).budget(np.ones((rows, GAMMA)), np.ones(rows, bool))
+    assert budgets[0] == budgets[1] == all_fresh
+    assert len(set(budgets)) > 1  # the table really trims, by amounts that follow the survival
+
+
+def test_plan_step_record_and_speed():
+    rng = np.random.default_rng(3)
+    table = AdditiveCostTable(5e-3, [1.0, 64.0, 256.0], [0.0, 1e-3, 4e-3], [0.0, 256.0, 512.0, 1024.0, 2048.0],
+                              [0.0, 1e-3, 3e-3, 6e-3, 1.2e-2])
+    sched = ConfidenceScheduler(GAMMA, table)
+    rows = 256
+    surv = [_random_survival(rng, rows) for _ in range(4)]
+    gens = np.arange(rows)
+    for t in range(3):
+        rec = sched.plan_step(t, surv[t], gens)
+    assert rec.batch_size == rows and 0 <= rec.budget <= rows * GAMMA
+    assert int(np.sum(rec.verify_lens - 1)) == rec.budget
+    assert rec.predicted_step_seconds == pytest.approx(table.predict(rows, rec.budget))
+    t0 = time.perf_counter()
+    n = 50
+    for t in range(3, 3 + n):
+        sched.plan_step(t, surv[t % 4], gens)
+    per_step = (time.perf_counter() - t0) / n
+    assert per_step < 5e-3, f"plan_step took {per_step * 1e3:.2f} ms at R=256 (goal < 1 ms)"
+
+
+def test_host_modules_do_not_import_jax():
+    import subprocess
+    import sys
+
+    code = ("import sys; import dspark_jax.speculative.scheduler, dspark_jax.speculative.tiers, "
+            "dspark_jax.speculative.cost_model; assert 'jax' not in sys.modules, 'jax imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,83 @@
+"""Token tiers: the default set, rounding, tier choice from (batch size, budget) only, slots."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from dspark_jax.speculative.tiers import TokenTiers
+
+LADDER = [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_default_tiers_are_ladder_times_window():
+    tiers = TokenTiers(block_size=7, batch_sizes=LADDER)
+    assert tiers.window == 8
+    assert tiers.tiers == (8, 16, 32, 64, 128, 256, 512)
+    assert tiers.max_tier == 512 and tiers.max_batch_size == 64
+
+
+def test_extra_and_stepped_tiers_merge_sorted_and_deduplicated():
+    tiers = TokenTiers(7, [4, 1, 2], extra_tiers=[5, 16, 30])
+    assert tiers.tiers == (5, 8, 16, 30, 32)
+    stepped = TokenTiers(3, [1, 2, 4], tier_step=6)
+    assert stepped.tiers == (4, 6, 8, 12, 16)
+    with pytest.raises(ValueError, match=r"\[1, 32\]"):
+        TokenTiers(7, [1, 2, 4], extra_tiers=[33])
+    with pytest.raises(ValueError, match="ladder"):
+        TokenTiers(7, [])
+
+
+def test_round_up_includes_exact_boundaries():
+    tiers = TokenTiers(7, LADDER, extra_tiers=[24])
+    assert tiers.round_up(0) == 8
+    assert tiers.round_up(1) == 8
+    assert tiers.round_up(8) == 8  # exact boundary stays
+    assert tiers.round_up(9) == 16
+    assert tiers.round_up(17) == 24
+    assert tiers.round_up(24) == 24
+    assert tiers.round_up(25) == 32
+    assert tiers.round_up(512) == 512
+    with pytest.raises(ValueError, match="exceed the largest tier 512"):
+        tiers.round_up(513)
+
+
+def test_tier_for_uses_the_host_floor():
+    tiers = TokenTiers(7, LADDER)
+    # floor = min(bs * min_len + K, bs * 8)
+    assert tiers.floor_tokens(32, 0) == 32
+    assert tiers.tier_for(32, 0) == 32
+    assert tiers.tier_for(32, 33) == 128  # 65 tokens -> tier 128
+    assert tiers.tier_for(32, 32 * 7) == 256  # verify-all
+    assert tiers.tier_for(32, 10_000) == 256  # a budget past verify-all is capped by bs * W
+    assert tiers.tier_for(5, 35) == 64  # bs off the ladder: 40 tokens -> the bs=8 tier
+    assert tiers.tier_for(4, 0, min_verify_len=3) == 16
+    with pytest.raises(ValueError, match="batch_size"):
+        tiers.tier_for(65, 0)
+    with pytest.raises(ValueError, match="budget"):
+        tiers.tier_for(4, -1)
+    with pytest.raises(ValueError, match="min_verify_len"):
+        tiers.tier_for(4, 0, min_verify_len=9)
+
+
+def test_tier_is_a_pure_function_of_bs_and_budget_and_holds_every_allocation():
+    """Same (bs, K) -> same tier, whatever the per-request lengths turn out to be; and every
+    allocation the top-K can produce (sum of lengths <= bs + K, each in 1..W) fits in it."""
+    tiers = TokenTiers(7, LADDER, extra_tiers=[24, 48, 96])
+    for bs, k in itertools.product(range(1, 65), range(0, 7 * 64 + 1, 13)):
+        t = tiers.tier_for(bs, k)
+        assert t == tiers.tier_for(bs, k)
+        assert t >= min(bs + k, bs * 8)
+        assert t in tiers.tiers
+        assert tiers.slots(t) >= bs  # the batch always has a request slot in its tier
+
+
+def test_slots_per_tier():
+    tiers = TokenTiers(7, LADDER)
+    assert [tiers.slots(t) for t in tiers.tiers] == [8, 16, 32, 64, 64, 64, 64]
+    # T // W slots could not hold a trimmed batch: 32 requests, K = 0 -> tier 32 -> 4 slots.
+    assert tiers.tier_for(32, 0) // tiers.window < 32 <= tiers.slots(tiers.tier_for(32, 0))
+    assert tiers.shapes()[-1] == (512, 64)
+    with pytest.raises(ValueError, match="not a tier"):
+        tiers.slots(100)
