@@ -1,0 +1,63 @@
+"""Device-side window selection and front-packing against the host scheduler and by hand."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.forward_batch import build_forward_batch
+from dspark_jax.speculative.packing import front_pack, topk_verify_lens, unpack_rows
+from dspark_jax.speculative.scheduler import ConfidenceScheduler
+
+G = 5
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_device_topk_matches_host_scheduler(seed):
+    rng = np.random.default_rng(seed)
+    S = int(rng.integers(1, 12))
+    c = rng.random((S, G)).astype(np.float32)
+    if seed % 2:
+        c = np.round(c * 4) / 4  # many exact ties
+    surv = np.cumprod(c, axis=1).astype(np.float32)
+    host = ConfidenceScheduler(G, None)
+    for K in [0, 1, 3, S, S * G // 2, S * G, S * G + 5]:
+        want = host.verify_lens(surv, K)
+        got = np.asarray(topk_verify_lens(jnp.asarray(surv), jnp.int32(K), jnp.ones(S, bool)))
+        np.testing.assert_array_equal(got, want)
+
+
+def test_padding_requests_take_no_budget():
+    surv = jnp.ones((4, G))
+    got = np.asarray(topk_verify_lens(surv, jnp.int32(3), jnp.array([True, False, True, False])))
+    # ties: position 0 of live rows 0 and 2, then position 1 of row 0
+    np.testing.assert_array_equal(got, [3, 0, 2, 0])
+
+
+def test_front_pack_equals_host_packing_and_unpack_restores_rows():
+    rng = np.random.default_rng(0)
+    ps, S, P = 4, 5, 6
+    lens = np.array([3, 1, G + 1, 2, 0], np.int32)  # last request is padding
+    start = np.array([7, 2, 11, 0, 0], np.int32)
+    anchor = rng.integers(5, 50, S).astype(np.int32)
+    drafts = rng.integers(5, 50, (S, G)).astype(np.int32)
+    table = rng.integers(1, 30, (S, P)).astype(np.int32)
+    T = 16
+    fb = front_pack(jnp.asarray(anchor), jnp.asarray(drafts), jnp.asarray(lens), jnp.asarray(start),
+                    jnp.asarray(table), jnp.int32(4), num_tokens=T, page_size=ps)
+    seqs = [(np.concatenate([[anchor[r]], drafts[r]])[: lens[r]], start[r], table[r]) for r in range(4)]
+    host = build_forward_batch(seqs, page_size=ps, num_tokens=T, num_seqs=S, pages_per_seq=P, logits_rows="all",
+                               num_logits=T)
+    real = int(lens.sum())
+    for name in ("input_ids", "positions", "slot_mapping"):
+        np.testing.assert_array_equal(np.asarray(getattr(fb, name))[:real], getattr(host, name)[:real], err_msg=name)
+    assert (np.asarray(fb.slot_mapping)[real:] < ps).all()  # padding writes only the sentinel page
+    np.testing.assert_array_equal(np.asarray(fb.cu_q_lens)[:5], host.cu_q_lens[:5])
+    np.testing.assert_array_equal(np.asarray(fb.kv_lens)[:4], host.kv_lens[:4])
+    rows = jnp.arange(T * 2).reshape(T, 2)
+    strided = np.asarray(unpack_rows(rows, jnp.asarray(lens), G + 1))
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    for r in range(S):
+        np.testing.assert_array_equal(strided[r, : lens[r]], np.asarray(rows)[cu[r] : cu[r] + lens[r]])
+        assert (strided[r, lens[r]:] == 0).all()
