@@ -70,23 +70,24 @@ class DraftLayer(nnx.Module):
         gate, up = jnp.split(self.gate_up_proj(self.post_attention_layernorm(x)), 2, axis=-1)
         return x + self.down_proj(jax.nn.silu(gate) * up)
 
-    def paged(self, x, ctx, ctx_rope, ctx_slots, blk_rope, cache: KVCache, block: ForwardBatch, layer, *, backend):
-        """Serving path over the draft context cache.
-
-        ctx [Tc, d]: fused features of the context rows new since the last round, written into
-        the cache at ctx_slots (their own positions, sharing the target's page tables).  x
-        [Tq, d]: the packed blocks.  Block K/V are written at the block's positions too, so
-        that non-causal attention over kv_lens = anchor position + gamma sees context and whole
-        block; those slots are overwritten by real context rows after verification."""
-        Tq = x.shape[0]
+    def write_context(self, ctx, ctx_rope, ctx_slots, cache: KVCache, layer) -> KVCache:
+        """Write K/V of fused context rows ctx [Tc, d] at their slots (the target's page tables:
+        a context row lives at its own position).  Padding rows carry sentinel-page slots."""
         k_c, v_c = self.kv(ctx[None], *ctx_rope)
-        kc, vc = write_kv_pages(cache.k, cache.v, k_c[0], v_c[0], ctx_slots, layer=layer)
+        return KVCache(*write_kv_pages(cache.k, cache.v, k_c[0], v_c[0], ctx_slots, layer=layer))
+
+    def block(self, x, blk_rope, cache: KVCache, block: ForwardBatch, layer, *, backend):
+        """Packed blocks x [Tq, d] against the draft context cache.  Block K/V are written at the
+        block's own positions, so non-causal attention over kv_lens = anchor position + gamma
+        sees the context and the whole block; context rows overwrite those slots after
+        verification."""
+        Tq = x.shape[0]
         h = self.input_layernorm(x)
         q = self.q_norm(self.q_proj(h).reshape(Tq, self.num_heads, self.head_dim))
         q = apply_rope(q, *blk_rope)
         k_b, v_b = self.kv(h[None], *blk_rope)
-        attn, kc, vc = paged_attention(q, k_b[0], v_b[0], kc, vc, block, layer, sm_scale=self.head_dim**-0.5,
-                                       backend=backend, causal=False)
+        attn, kc, vc = paged_attention(q, k_b[0], v_b[0], cache.k, cache.v, block, layer,
+                                       sm_scale=self.head_dim**-0.5, backend=backend, causal=False)
         return self._finish(x, attn.reshape(Tq, -1)), KVCache(kc, vc)
 
 
@@ -135,42 +136,48 @@ class DSparkDrafter(nnx.Module):
         h = self.norm(x).reshape(B, N, G, -1)
         return DraftOutput(h, target.logits(h.astype(target.dtype)))
 
-    def draft_paged(
-        self,
-        target: Qwen3ForCausalLM,
-        cache: KVCache,
-        ctx_taps: jax.Array,
-        ctx_positions: jax.Array,
-        ctx_slots: jax.Array,
-        block: ForwardBatch,
-        *,
-        backend: str = "reference",
-    ) -> tuple[jax.Array, jax.Array, KVCache]:
-        """One drafting round for a packed batch, extending the draft context cache.
-
-        ctx_taps [m, Tc, d]: the target's tapped hidden states of the rows verified since the
-        last round (padding rows carry a sentinel slot); block: a ForwardBatch of gamma rows per
-        sequence ([anchor, MASK...] at anchor position + k) whose kv_lens are anchor position +
-        gamma.  Returns (hidden [Tq, d] final-normed, base logits [Tq, V] fp32, cache)."""
-        cfg = self.config
-        block = ForwardBatch(*(jnp.asarray(a) for a in block))
-        ctx = self.fuse_context(ctx_taps)
-        ctx_rope = rope_cos_sin(ctx_positions, cfg.head_dim, cfg.rope_theta)
-        blk_rope = rope_cos_sin(block.positions, cfg.head_dim, cfg.rope_theta)
-        x = target.embed_tokens(block.input_ids).astype(ctx.dtype)
+    def _layer_loop(self, fn, carry, cache: KVCache):
+        """Scan `fn(layer_module, carry, cache, layer_idx) -> (carry, cache)` over the layers."""
         layer_def, layer_state = nnx.split(self.layers)
 
-        def body(carry, xs):
-            h, kc, vc = carry
+        def body(c, xs):
+            carry, kc, vc = c
             state, layer = xs
-            h, c = nnx.merge(layer_def, state).paged(h, ctx, ctx_rope, ctx_slots, blk_rope, KVCache(kc, vc), block,
-                                                      layer, backend=backend)
-            return (h, c.k, c.v), None
+            carry, out = fn(nnx.merge(layer_def, state), carry, KVCache(kc, vc), layer)
+            return (carry, out.k, out.v), None
 
-        (x, kc, vc), _ = jax.lax.scan(body, (x, cache.k, cache.v),
-                                      (layer_state, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
+        (carry, kc, vc), _ = jax.lax.scan(
+            body, (carry, cache.k, cache.v), (layer_state, jnp.arange(self.config.num_layers, dtype=jnp.int32))
+        )
+        return carry, KVCache(kc, vc)
+
+    def extend_context(self, cache: KVCache, ctx_taps, ctx_positions, ctx_slots) -> KVCache:
+        """Add context rows to the draft cache: ctx_taps [m, Tc, d] are the target's tapped
+        hidden states of rows it has verified (prompt rows after prefill; anchor + accepted
+        drafts after a verify step), at positions ctx_positions, written at ctx_slots."""
+        cfg = self.config
+        ctx = self.fuse_context(ctx_taps)
+        rope = rope_cos_sin(ctx_positions, cfg.head_dim, cfg.rope_theta)
+        _, cache = self._layer_loop(lambda lyr, c, kv, i: (c, lyr.write_context(ctx, rope, ctx_slots, kv, i)), 0, cache)
+        return cache
+
+    def draft_block(self, target: Qwen3ForCausalLM, cache: KVCache, block: ForwardBatch, *, backend: str = "reference"):
+        """One forward over packed blocks ([anchor, MASK...] at anchor position + k, kv_lens =
+        anchor position + gamma).  Returns (hidden [Tq, d] final-normed, base logits [Tq, V]
+        fp32, cache); block K/V left in the cache are overwritten by later context rows."""
+        cfg = self.config
+        block = ForwardBatch(*(jnp.asarray(a) for a in block))
+        rope = rope_cos_sin(block.positions, cfg.head_dim, cfg.rope_theta)
+        x = target.embed_tokens(block.input_ids).astype(self.fc.kernel.dtype)
+        x, cache = self._layer_loop(lambda lyr, h, kv, i: lyr.block(h, rope, kv, block, i, backend=backend), x, cache)
         h = self.norm(x)
-        return h, target.logits(h.astype(target.dtype)), KVCache(kc, vc)
+        return h, target.logits(h.astype(target.dtype)), cache
+
+    def draft_paged(self, target, cache: KVCache, ctx_taps, ctx_positions, ctx_slots, block: ForwardBatch, *,
+                    backend: str = "reference"):
+        """extend_context then draft_block: one drafting round that also adds new context rows."""
+        cache = self.extend_context(cache, ctx_taps, ctx_positions, ctx_slots)
+        return self.draft_block(target, cache, block, backend=backend)
 
     def confidence_logits(self, h: jax.Array, e: jax.Array | None) -> jax.Array:
         """z_k = w^T [h_k ; W1[x_prev,k]] + b: logit that draft k survives given 1..k-1 did."""
