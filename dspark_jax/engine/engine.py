@@ -85,6 +85,7 @@ class Engine:
         self._rng = np.random.default_rng(ec.seed)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
+        self.lookahead = 0  # positions past the last token a step may write (speculative blocks)
         self.compile_seconds = self.runner.compile(self.all_buckets()) if ec.precompile else 0.0
 
     @classmethod
@@ -126,10 +127,10 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
-        if len(ids) >= self.max_model_len:
+        if len(ids) + self.lookahead >= self.max_model_len:
             raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens; the context is {self.max_model_len}, "
-                "which must also hold at least one generated token"
+                f"prompt has {len(ids)} tokens; the context is {self.max_model_len}, which must also hold "
+                f"at least one generated token{f' and a {self.lookahead}-token draft block' if self.lookahead else ''}"
             )
         return ids
 
@@ -141,7 +142,7 @@ class Engine:
         if rid in self._requests:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**32))
-        req = Request(rid, ids, params, seed, self.tokenizer, self.eos_ids, self.max_model_len)
+        req = Request(rid, ids, params, seed, self.tokenizer, self.eos_ids, self.max_model_len, self.lookahead)
         if self.pool.pages_for(req.reserve_tokens) > self.pool.num_usable_pages:
             raise InvalidRequestError(
                 f"request needs {req.reserve_tokens} KV slots but the whole pool holds {self.pool.capacity_tokens}"

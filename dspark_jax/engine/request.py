@@ -40,6 +40,7 @@ class Request:
         tokenizer: Tokenizer | None,
         eos_ids: frozenset[int],
         max_model_len: int,
+        lookahead: int = 0,
     ):
         self.id = request_id
         self.prompt_ids = list(prompt_ids)
@@ -51,7 +52,10 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
         # Never generate past the model's context: the last token needs a position < max_model_len.
-        self.max_new = min(params.max_new_tokens, max_model_len - len(self.prompt_ids))
+        # `lookahead` positions past the last token are touched too (a speculative round writes
+        # a whole draft block beyond it), so they must also fit and be reserved.
+        self.lookahead = lookahead
+        self.max_new = min(params.max_new_tokens, max_model_len - len(self.prompt_ids) - lookahead)
         self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
         self.text = ""
         self.t_arrival = time.perf_counter()
@@ -65,7 +69,7 @@ class Request:
     @property
     def reserve_tokens(self) -> int:
         """KV slots this request can ever need: admission reserves them up front."""
-        return len(self.prompt_ids) + self.max_new
+        return len(self.prompt_ids) + self.max_new + self.lookahead
 
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids

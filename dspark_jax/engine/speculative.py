@@ -1,0 +1,206 @@
+"""SpeculativeEngine: the batch engine with DSpark drafting and verification.
+
+Same request lifecycle as Engine (slots, KV admission, chunked prefill, stop handling); the
+decode step is replaced by a speculative round (dspark_jax/speculative/step.py).  The target
+and the drafter keep paged caches with the same page tables: a draft-context row lives at its
+own position.  Each round is one executable chosen by the token tier (a function of the batch
+size and the budget K, both host scalars), compiled ahead of time like the plain buckets.
+
+Modes: static (verify the whole block), compact (verify each request's scheduled window, packed:
+the tier, hence the executable, shrinks with the budget), cap-accept (verify the whole block,
+commit as compact would, report the uncensored ceiling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax.calibration.sts import StsCalibration
+from dspark_jax.drafter.model import DSparkDrafter
+from dspark_jax.engine.engine import Engine, EngineConfig
+from dspark_jax.engine.model_runner import round_up
+from dspark_jax.engine.request import Status
+from dspark_jax.forward_batch import build_forward_batch, shape_struct
+from dspark_jax.kv_cache import KVCache
+from dspark_jax.models.qwen3 import Qwen3ForCausalLM
+from dspark_jax.sampling import sampling_arrays
+from dspark_jax.speculative.cost_model import AdditiveCostTable
+from dspark_jax.speculative.scheduler import ConfidenceScheduler
+from dspark_jax.speculative.step import MODES, SpecInputs, prefill_step, spec_step
+from dspark_jax.speculative.tiers import TokenTiers
+from dspark_jax.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class SpeculativeConfig:
+    mode: str = "static"  # static | compact | cap-accept
+    sts: StsCalibration | None = None  # None: identity temperatures
+    cost_table: AdditiveCostTable | None = None  # None: verify everything
+    lag: int = 2
+    min_predicted_gain: float | None = None
+
+
+class SpeculativeEngine(Engine):
+    def __init__(self, model: Qwen3ForCausalLM, tokenizer: Tokenizer | None, drafter: DSparkDrafter,
+                 config: EngineConfig | None = None, spec: SpeculativeConfig | None = None):
+        ec = dataclasses.replace(config or EngineConfig(), precompile=False)  # no plain decode buckets
+        super().__init__(model, tokenizer, ec)
+        self.spec = spec or SpeculativeConfig()
+        if self.spec.mode not in MODES:
+            raise ValueError(f"verify mode must be one of {MODES}, got {self.spec.mode!r}")
+        self.drafter = drafter
+        dcfg = drafter.config
+        self.gamma = G = dcfg.block_size
+        self.lookahead = G + 1
+        sts = self.spec.sts or StsCalibration.identity(G)
+        if sts.block_size != G:
+            raise ValueError(f"STS file has {sts.block_size} temperatures for block size {G}")
+        self.sts_temperatures = jnp.asarray(sts.temperatures, jnp.float32)
+        self.scheduler_conf = ConfidenceScheduler(G, self.spec.cost_table, lag=self.spec.lag,
+                                                  min_predicted_gain=self.spec.min_predicted_gain)
+        self.tiers = TokenTiers(G, self.decode_buckets)
+        runner = self.runner
+        self.tcache, runner.cache = runner.cache, None
+        L, N, ps, Hkv, D = self.tcache.k.shape
+        zeros = lambda: jnp.zeros((dcfg.num_layers, N, ps, Hkv, D), self.tcache.k.dtype)
+        self.dcache = KVCache(zeros(), zeros())
+        self.target_def, self.target_state = runner.graphdef, runner.state
+        self.drafter_def, self.drafter_state = nnx.split(drafter)
+        backend = self.backend
+        self._prefill_jit = jax.jit(functools.partial(prefill_step, self.target_def, self.drafter_def, backend=backend),
+                                    donate_argnums=(2, 3))
+        self._spec_jit = {}
+        for mode in MODES:
+            self._spec_jit[mode] = jax.jit(
+                functools.partial(spec_step, self.target_def, self.drafter_def, mode=mode, page_size=ps, backend=backend),
+                donate_argnums=(2, 3), static_argnames=("num_tokens",))
+        self._compiled: dict = {}
+        self._step = 0
+        self._slot_of: dict[str, int] = {}
+        self._slot_gen = np.full(self.ec.max_running_requests, -1, np.int64)
+        self._gen_counter = 0
+        self.stats = {"rounds": 0, "accept_lens": [], "verify_lens": [], "block_accept_lens": []}
+        self.compile_seconds = self._compile_all() if (config or EngineConfig()).precompile else 0.0
+
+    # -- compilation ------------------------------------------------------------------------
+    def _spec_shapes(self):
+        mx = self.ec.max_running_requests
+        return [(t, min(t, mx)) for t in self.tiers.tiers]
+
+    def _compile_all(self) -> float:
+        t0 = time.perf_counter()
+        for t in self.prefill_buckets:
+            self._compiled_prefill((t, self.prefill_seqs, self.prefill_seqs))
+        for T, S in self._spec_shapes():
+            self._compiled_spec(T, S)
+        return time.perf_counter() - t0
+
+    def _abstract(self, tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+    def _compiled_prefill(self, key):
+        if key not in self._compiled:
+            T, S, R = key
+            samp = tuple(jax.ShapeDtypeStruct((R,), d) for d in (np.float32, np.int32, np.float32, np.uint32, np.int32))
+            self._compiled[key] = self._prefill_jit.lower(
+                self.target_state, self.drafter_state, self._abstract(self.tcache), self._abstract(self.dcache),
+                shape_struct(T, S, self.pages_per_seq, R), samp).compile()
+        return self._compiled[key]
+
+    def _compiled_spec(self, T: int, S: int):
+        key = ("spec", self.spec.mode, T, S)
+        if key not in self._compiled:
+            s = jax.ShapeDtypeStruct
+            i32 = np.int32
+            inp = SpecInputs(s((S,), i32), s((S,), i32), s((S, self.pages_per_seq), i32), s((S,), np.bool_), s((), i32),
+                             s((), i32), s((S,), np.float32), s((S,), i32), s((S,), np.float32), s((S,), np.uint32))
+            self._compiled[key] = self._spec_jit[self.spec.mode].lower(
+                self.target_state, self.drafter_state, self._abstract(self.tcache), self._abstract(self.dcache), inp,
+                self._abstract(self.sts_temperatures), num_tokens=T).compile()
+        return self._compiled[key]
+
+    # -- steps ------------------------------------------------------------------------------
+    def _prefill(self, chunks):
+        T = round_up(sum(n for _, n in chunks), self.prefill_buckets)
+        S = self.prefill_seqs
+        seqs = [(np.asarray(r.prompt_ids[r.num_cached: r.num_cached + n]), r.num_cached, self.pool.pages(r.id))
+                for r, n in chunks]
+        batch = build_forward_batch(seqs, page_size=self.pool.page_size, num_tokens=T, num_seqs=S,
+                                    pages_per_seq=self.pages_per_seq)
+        reqs = [r for r, _ in chunks]
+        samp = sampling_arrays([r.params for r in reqs], [r.seed for r in reqs], [len(r.prompt_ids) for r in reqs], S)
+        fn = self._compiled_prefill((T, S, S))
+        tokens, self.tcache, self.dcache = fn(self.target_state, self.drafter_state, self.tcache, self.dcache, batch, samp)
+        tokens = np.asarray(tokens)
+        events = []
+        for i, (r, n) in enumerate(chunks):
+            r.num_cached += n
+            if r.num_cached == len(r.prompt_ids):
+                r.status = Status.DECODE
+                self._assign_slot(r)
+                events.append((r, r.append_tokens([tokens[i]])))
+        return events
+
+    def _assign_slot(self, r):
+        used = set(self._slot_of.values())
+        slot = next(i for i in range(self.ec.max_running_requests) if i not in used)
+        self._slot_of[r.id] = slot
+        self._gen_counter += 1
+        self._slot_gen[slot] = self._gen_counter
+
+    def _decode(self, reqs):
+        G, bs = self.gamma, len(reqs)
+        slots = np.array([self._slot_of[r.id] for r in reqs])
+        if self.spec.mode == "static":
+            K = bs * G
+        else:
+            lagged = self.scheduler_conf.lagged(self._step, self._slot_gen[slots], slots=slots)
+            K = self.scheduler_conf.budget(lagged.survival, lagged.fresh)
+        T = self.tiers.tier_for(bs, K) if self.spec.mode == "compact" else self.tiers.round_up(bs * (G + 1))
+        S = min(T, self.ec.max_running_requests)
+        P = self.pages_per_seq
+        live = np.zeros(S, bool)
+        live[:bs] = True
+        pad = lambda a, dt: np.concatenate([np.asarray(a, dt), np.zeros(S - bs, dt)])
+        table = np.zeros((S, P), np.int32)
+        for i, r in enumerate(reqs):
+            table[i] = self.pool.page_table_row(r.id, P)
+        temp, top_k, top_p, seed, _ = sampling_arrays([r.params for r in reqs], [r.seed for r in reqs], [0] * bs, S)
+        inp = SpecInputs(pad([r.output_ids[-1] for r in reqs], np.int32), pad([r.total_len - 1 for r in reqs], np.int32),
+                         table, live, np.int32(bs), np.int32(K), temp, top_k, top_p, seed)
+        fn = self._compiled_spec(T, S)
+        out, self.tcache, self.dcache = fn(self.target_state, self.drafter_state, self.tcache, self.dcache, inp,
+                                           self.sts_temperatures)
+        out = jax.device_get(out)  # the one host read per round: committed tokens and small stats
+        if self.spec.mode != "static":
+            self.scheduler_conf.observe(self._step, out.survival[:bs], self._slot_gen[slots], slots=slots)
+        self._step += 1
+        events = []
+        self.stats["rounds"] += 1
+        for i, r in enumerate(reqs):
+            a = int(out.num_accepted[i])
+            start = r.total_len - 1
+            committed = r.append_tokens(list(out.drafts[i, :a]) + [int(out.bonus[i])])
+            r.num_cached = start + a + 1
+            r.spec_rounds = getattr(r, "spec_rounds", 0) + 1
+            self.stats["accept_lens"].append(a + 1)
+            self.stats["verify_lens"].append(int(out.verify_lens[i]))
+            self.stats["block_accept_lens"].append(int(out.block_accept[i]) + 1)
+            events.append((r, committed))
+            if r.status is Status.FINISHED:
+                self._slot_of.pop(r.id, None)
+        return events
+
+    def abort(self, request_id: str) -> None:
+        super().abort(request_id)
+        self._slot_of.pop(request_id, None)

@@ -1,0 +1,133 @@
+"""The speculative decoding steps as pure functions over explicit state (jitted by the runner).
+
+prefill_step: the target prefills prompt chunks with its tapped layers, the drafter's context
+cache is extended with those rows, and the first token is sampled.
+
+spec_step, one round for a packed batch of requests:
+  draft a block per request (drafter + sequential head + confidence)
+  -> verify windows (static: the full block; compact / cap-accept: top-K over current survival,
+     K chosen on the host from lagged survival)
+  -> front-pack the windows into the tier buffer -> target verify (ragged paged attention)
+  -> accept (exact match / speculative sampling) -> extend the draft context cache with the
+     target's tapped hidden states of the anchor and accepted drafts.
+Only the committed tokens (drafts[:a] + bonus) and small per-request statistics go back to
+the host.
+
+Random keys are derived per request from (seed, anchor position), so outputs do not depend on
+batch composition.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.drafter.model import sample_block
+from dspark_jax.forward_batch import ForwardBatch
+from dspark_jax.kv_cache import KVCache
+from dspark_jax.sampling import sample
+from dspark_jax.speculative.acceptance import verify
+from dspark_jax.speculative.packing import front_pack, topk_verify_lens, unpack_rows
+
+MODES = ("static", "compact", "cap-accept")
+
+
+class SpecInputs(NamedTuple):
+    anchor: jax.Array  # [S] int32 last committed token (not yet in the target cache)
+    start: jax.Array  # [S] int32 its absolute position
+    page_table: jax.Array  # [S, P]
+    live: jax.Array  # [S] bool
+    num_seqs: jax.Array  # [] int32
+    budget: jax.Array  # [] int32 extra verify tokens (compact / cap-accept)
+    temperature: jax.Array  # [S]
+    top_k: jax.Array  # [S]
+    top_p: jax.Array  # [S]
+    seed: jax.Array  # [S] uint32
+
+
+class SpecOutputs(NamedTuple):
+    drafts: jax.Array  # [S, gamma]
+    num_accepted: jax.Array  # [S] drafts committed
+    bonus: jax.Array  # [S]
+    verify_lens: jax.Array  # [S] window verified (anchor included)
+    block_accept: jax.Array  # [S] drafts full verification would accept (exact in static/cap-accept)
+    survival: jax.Array  # [S, gamma] calibrated cumulative survival (for the lag ring and metrics)
+
+
+def _keys(seed, position, stream: int):
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(s), p), stream))(seed, position)
+
+
+def block_batch(inp: SpecInputs, gamma: int, mask_token: int, page_size: int) -> ForwardBatch:
+    """[anchor, MASK x (gamma-1)] per live request at anchor position + k."""
+    S = inp.anchor.shape[0]
+    k = jnp.arange(gamma, dtype=jnp.int32)
+    ids = jnp.where(k[None] == 0, inp.anchor[:, None], mask_token)
+    pos = inp.start[:, None] + k[None]
+    page = jnp.take_along_axis(inp.page_table, jnp.clip(pos // page_size, 0, inp.page_table.shape[1] - 1), axis=1)
+    slot = jnp.where(inp.live[:, None], page * page_size + pos % page_size, k[None] % page_size)
+    lens = jnp.where(inp.live, gamma, 0).astype(jnp.int32)
+    return ForwardBatch(
+        input_ids=jnp.where(inp.live[:, None], ids, 0).reshape(-1).astype(jnp.int32),
+        positions=jnp.where(inp.live[:, None], pos, 0).reshape(-1).astype(jnp.int32),
+        slot_mapping=slot.reshape(-1).astype(jnp.int32),
+        cu_q_lens=jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lens)]).astype(jnp.int32),
+        kv_lens=jnp.where(inp.live, inp.start + gamma, 0).astype(jnp.int32),
+        page_table=inp.page_table,
+        num_seqs=inp.num_seqs,
+        logits_indices=jnp.arange(S * gamma, dtype=jnp.int32),
+    )
+
+
+def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCache, dcache: KVCache,
+              inp: SpecInputs, sts_temperatures, *, mode: str, num_tokens: int, page_size: int, backend: str):
+    target = nnx.merge(target_def, target_state)
+    drafter = nnx.merge(drafter_def, drafter_state)
+    cfg = drafter.config
+    G, S = cfg.block_size, inp.anchor.shape[0]
+
+    # 1. Draft.
+    blk = block_batch(inp, G, cfg.mask_token_id, page_size)
+    h, base, dcache = drafter.draft_block(target, dcache, blk, backend=backend)
+    bs = sample_block(drafter, h.reshape(S, G, -1), base.reshape(S, G, -1), inp.anchor, inp.temperature,
+                      _keys(inp.seed, inp.start, 1))
+    survival = jnp.cumprod(jax.nn.sigmoid(bs.confidence / sts_temperatures[None, :]), axis=1)
+
+    # 2. Windows: static verifies everything; compact / cap-accept take the top-K.
+    full = jnp.where(inp.live, G + 1, 0).astype(jnp.int32)
+    window = topk_verify_lens(survival, inp.budget, inp.live)
+    verify_lens = window if mode == "compact" else full
+
+    # 3. Target verify over the front-packed windows, tapping the drafter's layers.
+    fb = front_pack(inp.anchor, bs.tokens, verify_lens, inp.start, inp.page_table, inp.num_seqs,
+                    num_tokens=num_tokens, page_size=page_size)
+    out = target(tcache, fb, tap_layers=cfg.target_layer_ids, backend=backend)
+    logits = unpack_rows(out.logits, verify_lens, G + 1)
+
+    # 4. Accept.
+    acc = verify(logits, bs.tokens, bs.logits, jnp.maximum(verify_lens, 1), inp.temperature, inp.top_k, inp.top_p,
+                 _keys(inp.seed, inp.start, 2), commit_cap=window if mode == "cap-accept" else None)
+
+    # 5. Rows anchor..a of each request become draft context (their target hidden states).
+    incl = jnp.cumsum(verify_lens)
+    n = jnp.arange(num_tokens)
+    req = jnp.minimum(jnp.searchsorted(incl, n, side="right"), S - 1)
+    within = n - (incl[req] - verify_lens[req])
+    keep = (n < incl[-1]) & (within <= acc.num_accepted[req])
+    ctx_slots = jnp.where(keep, fb.slot_mapping, n % page_size)
+    dcache = drafter.extend_context(dcache, out.taps, fb.positions, ctx_slots)
+    res = SpecOutputs(bs.tokens, acc.num_accepted, acc.bonus, verify_lens, acc.block_accept, survival)
+    return res, out.cache, dcache
+
+
+def prefill_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCache, dcache: KVCache,
+                 batch: ForwardBatch, sampling, *, backend: str):
+    """Target prefill with taps; the prompt rows become draft context; the first token is sampled."""
+    target = nnx.merge(target_def, target_state)
+    drafter = nnx.merge(drafter_def, drafter_state)
+    out = target(tcache, batch, tap_layers=drafter.config.target_layer_ids, backend=backend)
+    dcache = drafter.extend_context(dcache, out.taps, batch.positions, batch.slot_mapping)
+    return sample(out.logits, *sampling), out.cache, dcache
