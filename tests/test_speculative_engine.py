@@ -97,3 +97,42 @@ def test_compact_and_cap_accept_commit_identical_tokens(pair):
         eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC), SpeculativeConfig(mode=mode, cost_table=TABLE))
         outs[mode] = [r.token_ids for r in eng.generate(prompts, params)]
     assert outs["compact"] == outs["cap-accept"]
+
+
+@pytest.mark.parametrize("mode", ["static", "compact"])
+def test_sampled_speculation_follows_target_distribution(mode):
+    """Temperature 1 on a 6-token vocabulary: the joint law of the first three generated tokens
+    (one from prefill, two from speculative rounds) matches the target's, by chi-square."""
+    import jax
+
+    from dspark_jax.models.qwen3 import Qwen3ForCausalLM, forward_dense
+    from dspark_jax.tiny_model import tiny_config
+
+    V = 6
+    cfg = tiny_config(V, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=16, eos_token_ids=())
+    target = Qwen3ForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
+    target.embed_tokens.embedding[...] = target.embed_tokens.embedding[...] * 40  # sharpen the distributions
+    drafter = repeat_biased_drafter(target, gamma=3, strength=2.0)
+    prompt = [1, 4, 2]
+    # Exact joint p(x1, x2, x3 | prompt) from dense forwards over every 2-token prefix.
+    seqs = np.array([prompt + [a, b] for a in range(V) for b in range(V)])
+    h = forward_dense(target, jnp.asarray(seqs), jnp.tile(jnp.arange(5), (len(seqs), 1))).hidden
+    p = np.asarray(jax.nn.softmax(target.logits(h), -1), np.float64)  # [V*V, 5, V]
+    joint = np.einsum("a,ab,abc->abc", p[0, 2], p[::V, 3].reshape(V, V), p[:, 4].reshape(V, V, V))
+    eng = SpeculativeEngine(target, None, drafter, EngineConfig(max_running_requests=64, max_prefill_tokens=256, max_prefill_seqs=64,
+                                                                 max_model_len=64, page_size=4),
+                            SpeculativeConfig(mode=mode, cost_table=TABLE if mode == "compact" else None))
+    n = 6000
+    res = eng.generate([prompt] * n, [SamplingParams(max_new_tokens=3, temperature=1.0, seed=i, ignore_eos=True)
+                                      for i in range(n)])
+    counts = np.zeros((V, V, V))
+    for r in res:
+        counts[tuple(r.token_ids)] += 1
+    exp = joint * n
+    keep = exp >= 5
+    chi2 = ((counts[keep] - exp[keep]) ** 2 / exp[keep]).sum() + (counts[~keep].sum() - exp[~keep].sum()) ** 2 / max(exp[~keep].sum(), 1)
+    dof = keep.sum()
+    # Normal approximation of the chi-square 99.9% quantile: dof + 3.1 sqrt(2 dof).
+    assert chi2 < dof + 3.1 * np.sqrt(2 * dof), (chi2, dof)
+    assert np.mean(eng.stats["accept_lens"]) > 1.2  # drafts were really accepted along the way
