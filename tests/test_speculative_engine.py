@@ -136,3 +136,18 @@ def test_sampled_speculation_follows_target_distribution(mode):
     # Normal approximation of the chi-square 99.9% quantile: dof + 3.1 sqrt(2 dof).
     assert chi2 < dof + 3.1 * np.sqrt(2 * dof), (chi2, dof)
     assert np.mean(eng.stats["accept_lens"]) > 1.2  # drafts were really accepted along the way
+
+
+def test_no_compilation_after_startup(pair, caplog):
+    import logging
+
+    import jax
+
+    target, tok, drafter = pair
+    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC), SpeculativeConfig(mode="compact", cost_table=TABLE))
+    prompts = _prompts(target.config.vocab_size, 6, seed=8)
+    eng.generate(prompts[:2], GREEDY)
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        eng.generate(prompts, [GREEDY, SamplingParams(max_new_tokens=9, temperature=0.8, seed=2)] * 3)
+    compiles = [r.message for r in caplog.records if "Compiling" in r.message]
+    assert not compiles, compiles
