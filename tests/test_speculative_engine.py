@@ -84,6 +84,10 @@ def test_greedy_speculation_equals_plain_greedy(pair, plain, mode, table):
         assert vl.min() < drafter.config.block_size + 1  # windows really were trimmed
     if mode == "cap-accept":
         assert (np.asarray(eng.stats["block_accept_lens"]) >= acc).all()
+    for g in got:  # per-request stats add up to what was generated
+        sp = g.stats["spec"]
+        assert sum(sp["accept_lens"]) + 1 >= len(g.token_ids) and sp["verify_ct"] == len(sp["accept_lens"])
+        assert sum(sp["window_histogram"]) == sp["verify_ct"] and 0 < sp["utilization"] <= 1
     eng.pool.check_invariants()
     assert eng.pool.num_free_pages == eng.pool.num_usable_pages
 

@@ -6,6 +6,8 @@ import dataclasses
 import enum
 import time
 
+import numpy as np
+
 from dspark_jax.sampling import SamplingParams
 from dspark_jax.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -58,6 +60,7 @@ class Request:
         self.max_new = min(params.max_new_tokens, max_model_len - len(self.prompt_ids) - lookahead)
         self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
         self.text = ""
+        self.spec_rounds: list[tuple[int, int, int]] = []  # (accept len, window, block accept len) per round
         self.t_arrival = time.perf_counter()
         self.t_first_token: float | None = None
         self.t_finish: float | None = None
@@ -133,5 +136,23 @@ class Request:
                 "ttft_s": ttft,
                 "latency_s": end - self.t_arrival,
                 "decode_tokens_per_s": (n - 1) / decode_time if n > 1 and decode_time > 0 else None,
+                **({"spec": self.spec_stats()} if self.spec_rounds else {}),
             },
         )
+
+    def spec_stats(self) -> dict:
+        """Per-request speculative statistics (SGLang's meta_info spec_* fields, by meaning).
+
+        accept length counts the bonus token; window counts the anchor; the block accept length
+        is what verifying the whole block would have accepted (exact in static and cap-accept,
+        a lower bound in compact, where drafts past the window are never scored)."""
+        acc, win, blk = (np.asarray(x) for x in zip(*self.spec_rounds))
+        return {
+            "verify_ct": len(acc),
+            "accept_length": float(acc.mean()),
+            "accept_lens": acc.tolist(),
+            "window": float(win.mean()),
+            "window_histogram": np.bincount(win).tolist(),
+            "block_accept_length": float(blk.mean()),
+            "utilization": float(acc.sum() / blk.sum()) if blk.sum() else None,
+        }

@@ -192,7 +192,7 @@ class SpeculativeEngine(Engine):
             start = r.total_len - 1
             committed = r.append_tokens(list(out.drafts[i, :a]) + [int(out.bonus[i])])
             r.num_cached = start + a + 1
-            r.spec_rounds = getattr(r, "spec_rounds", 0) + 1
+            r.spec_rounds.append((a + 1, int(out.verify_lens[i]), int(out.block_accept[i]) + 1))
             self.stats["accept_lens"].append(a + 1)
             self.stats["verify_lens"].append(int(out.verify_lens[i]))
             self.stats["block_accept_lens"].append(int(out.block_accept[i]) + 1)
