@@ -29,7 +29,7 @@ from dspark_jax.mtp.model import MTPConfig, save_mtp
 from training.pretrain.checkpoint import RunCheckpoints
 from training.pretrain.config import TrainConfig
 from training.pretrain.data import Rows
-from training.pretrain.loop import METRICS_FILE, RUN_FILE, _truncate_metrics, pad_rows
+from training.pretrain.loop import METRICS_FILE, RUN_FILE, truncate_metrics, pad_rows
 from training.pretrain.parallel import data_mesh, replicated, shard_batch
 from training.mtp.step import METRICS, LossConfig, MTPSteps, abstract_mtp_params, init_mtp_params, mtp_params_to_model
 
@@ -95,7 +95,7 @@ def train_mtp(target_dir: Path | str, run_dir: Path | str, tc: TrainConfig, samp
         params, opt_state, meta = ckpts.restore(start, abs_params, abs_opt)
         sampler.restore(meta["data"])
         elapsed_before = meta["elapsed_s"]
-        _truncate_metrics(metrics_path, start)
+        truncate_metrics(metrics_path, start)
     end = min(tc.steps, stop_at) if stop_at is not None else tc.steps
     eval_bs = tc.eval_batch_size or tc.batch_size
 

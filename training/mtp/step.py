@@ -36,7 +36,7 @@ from dspark_jax.models.qwen3 import forward_dense
 from dspark_jax.mtp.model import MTPConfig, MTPDrafter
 from training.pretrain.config import TrainConfig
 from training.pretrain.parallel import replicated
-from training.pretrain.step import DTYPES, _tree_norm, loss_targets, make_optimizer, params_to_model
+from training.pretrain.step import DTYPES, tree_norm, loss_targets, make_optimizer, params_to_model
 
 METRICS = ("ce", "kl", "hidden", "acc", "accept_t1")
 
@@ -134,7 +134,7 @@ class MTPSteps:
         (loss, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, target_params, batch)
         updates, opt_state = self.tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, {"loss": loss, "grad_norm": _tree_norm(grads), **metrics}
+        return params, opt_state, {"loss": loss, "grad_norm": tree_norm(grads), **metrics}
 
     def _eval_step(self, params, target_params, batch):
         return batch_sums(params, target_params, batch, self.mcfg, self.tcfg, self.tc)

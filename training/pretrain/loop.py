@@ -68,7 +68,7 @@ def _prepare_run_dir(run_dir: Path, record: dict, tokenizer_path: Path) -> None:
     shutil.copyfile(tokenizer_path, run_dir / TOKENIZER_FILE)
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
+def truncate_metrics(path: Path, step: int) -> None:
     """Drop records an interrupted run logged after the checkpoint we resume from."""
     if path.exists():
         keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
@@ -149,7 +149,7 @@ def train(corpus_dir: Path | str, tokenizer_path: Path | str, run_dir: Path | st
         params, opt_state, meta = ckpts.restore(start, abs_params, abs_opt)
         sampler.restore(meta["data"])
         elapsed_before, best = meta["elapsed_s"], meta.get("best")
-        _truncate_metrics(metrics_path, start)
+        truncate_metrics(metrics_path, start)
     end = min(tc.steps, stop_at) if stop_at is not None else tc.steps
     tokens_per_step = tc.batch_size * tc.seq_len
     n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))

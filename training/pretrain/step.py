@@ -27,7 +27,7 @@ from training.pretrain.config import TrainConfig
 from training.pretrain.parallel import replicated
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
-_tree_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm  # renamed in optax 0.2.5
+tree_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm  # renamed in optax 0.2.5
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -128,7 +128,7 @@ class Steps:
         (loss, count), grads = jax.value_and_grad(self._loss, has_aux=True)(params, batch)
         updates, opt_state = self.tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, {"loss": loss, "grad_norm": _tree_norm(grads), "targets": count}
+        return params, opt_state, {"loss": loss, "grad_norm": tree_norm(grads), "targets": count}
 
     def _eval_step(self, params, batch):
         return batch_nll(params, batch, self.cfg, self.tc)
