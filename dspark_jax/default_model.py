@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 EMBEDDED = Path(__file__).parent / "assets" / "default-target"
+EMBEDDED_DRAFTER = Path(__file__).parent / "assets" / "default-dspark"
 _FALLBACK = Path(os.environ.get("DSPARK_JAX_CACHE", Path.home() / ".cache" / "dspark_jax")) / "tiny-random-qwen3"
 
 
@@ -21,3 +22,8 @@ def default_model_path() -> Path:
 
         write_tiny_model(_FALLBACK)
     return _FALLBACK
+
+
+def default_drafter_path() -> Path | None:
+    """The embedded DSpark drafter of the default target, once one is trained and committed."""
+    return EMBEDDED_DRAFTER if (EMBEDDED_DRAFTER / "dspark_config.json").exists() else None

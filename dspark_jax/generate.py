@@ -27,8 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.generate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None, help="Hugging Face Qwen3 folder (default: the embedded model)")
-    ap.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
-    ap.add_argument("--prompt-ids", action="append", default=[], type=_ids, help="raw token ids, e.g. 1,2,3 (repeatable)")
+    # Both append to one list so mixed --prompt / --prompt-ids keep their command-line order.
+    ap.add_argument("--prompt", dest="prompts", action="append", default=[], help="prompt text (repeatable)")
+    ap.add_argument("--prompt-ids", dest="prompts", action="append", type=_ids, help="raw token ids, e.g. 1,2,3 (repeatable)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -40,6 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference"])
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    ap.add_argument("--speculative", default="none", choices=["none", "dspark"],
+                    help="speculative decoding algorithm (the MTP arm is not wired into the engine yet)")
+    ap.add_argument("--draft-model-path", default=None, help="DSpark drafter folder")
+    ap.add_argument("--verify-mode", default="static", choices=["static", "compact", "cap-accept"])
+    ap.add_argument("--block-size", type=int, default=None, help="must equal the drafter's trained block size")
+    ap.add_argument("--sps-table-path", default=None, help="additive step-cost table JSON (none: verify everything)")
+    ap.add_argument("--sts-path", default=None, help="STS temperatures JSON (none: identity)")
     ap.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     ap.add_argument("-v", "--verbose", action="store_true")
     return ap
@@ -48,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
-    prompts = list(args.prompt) + list(args.prompt_ids)
+    prompts = list(args.prompts)
     if not prompts:
         print("error: give at least one --prompt or --prompt-ids", file=sys.stderr)
         return 2
@@ -71,17 +79,18 @@ def main(argv=None) -> int:
     )
     try:
         params.validate()
-        engine = Engine.from_pretrained(
-            model_path,
-            EngineConfig(
-                max_running_requests=args.max_running_requests,
-                max_model_len=args.max_model_len,
-                attention_backend=args.attention_backend,
-                dtype=args.dtype,
-            ),
+        ec = EngineConfig(
+            max_running_requests=args.max_running_requests,
+            max_model_len=args.max_model_len,
+            attention_backend=args.attention_backend,
+            dtype=args.dtype,
         )
+        if args.speculative == "dspark":
+            engine = _speculative_engine(args, model_path, ec)
+        else:
+            engine = Engine.from_pretrained(model_path, ec)
         results = engine.generate(prompts, params)
-    except DsparkError as e:
+    except (DsparkError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     for r in results:
@@ -94,6 +103,27 @@ def main(argv=None) -> int:
         s = engine.last_generate_stats
         print(f"\n{s['completion_tokens']} tokens in {s['wall_s']:.2f}s ({s['tokens_per_s']:.1f} tok/s)", file=sys.stderr)
     return 0
+
+
+def _speculative_engine(args, model_path, ec):
+    from dspark_jax.calibration.sts import StsCalibration
+    from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
+    from dspark_jax.errors import CheckpointError
+    from dspark_jax.speculative.cost_model import load_cost_table
+
+    draft = args.draft_model_path
+    if draft is None:
+        from dspark_jax.default_model import default_drafter_path
+
+        draft = default_drafter_path()
+        if draft is None:
+            raise CheckpointError("--speculative dspark needs --draft-model-path (no embedded drafter is shipped yet)")
+    spec = SpeculativeConfig(
+        mode=args.verify_mode,
+        sts=StsCalibration.load(args.sts_path) if args.sts_path else None,
+        cost_table=load_cost_table(args.sps_table_path),
+    )
+    return SpeculativeEngine.from_pretrained(model_path, draft, ec, spec, block_size=args.block_size)
 
 
 if __name__ == "__main__":

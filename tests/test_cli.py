@@ -37,3 +37,31 @@ def test_bad_arguments_exit_nonzero_with_message(hf_model_dir, tmp_path):
     assert p.returncode == 1 and "max_new_tokens" in p.stderr
     p = _run("--model-path", str(hf_model_dir), "--prompt-ids", "1,x")
     assert p.returncode == 2 and "comma-separated" in p.stderr
+
+
+def test_speculative_flags_give_plain_greedy_tokens_and_spec_stats(hf_model_dir, tmp_path, tiny_engine):
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dspark_jax.checkpoint import load_model
+    from dspark_jax.drafter.checkpoint import save_drafter
+    from dspark_jax.drafter.config import DSparkConfig
+    from dspark_jax.drafter.model import DSparkDrafter
+
+    cfg, _ = load_model(hf_model_dir)
+    dcfg = DSparkConfig.from_target(cfg, num_layers=1, block_size=3, mask_token_id=3, markov_rank=8, target_layer_ids=(0,))
+    save_drafter(tmp_path / "d", dcfg, DSparkDrafter(dcfg, rngs=nnx.Rngs(0)), dtype="float32")
+    common = ["--model-path", str(hf_model_dir), "--prompt-ids", "5,6,7", "--prompt", "def f(x):", "--max-new-tokens", "8",
+              "--ignore-eos", "--max-model-len", "256", "--json", "--speculative", "dspark",
+              "--draft-model-path", str(tmp_path / "d")]
+    p = _run(*common, "--verify-mode", "compact")
+    assert p.returncode == 0, p.stderr
+    lines = [json.loads(l) for l in p.stdout.strip().splitlines()]
+    want = tiny_engine.generate([[5, 6, 7], "def f(x):"], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    for got, w in zip(lines, want):
+        assert got["token_ids"] == w.token_ids
+        assert got["stats"]["spec"]["verify_ct"] >= 1
+    p = _run(*common, "--block-size", "7")
+    assert p.returncode == 1 and "block size" in p.stderr
+    p = _run(*common[:-2])  # no drafter folder and none embedded
+    assert p.returncode == 1 and "--draft-model-path" in p.stderr

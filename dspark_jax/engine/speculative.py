@@ -92,6 +92,25 @@ class SpeculativeEngine(Engine):
         self.stats = {"rounds": 0, "accept_lens": [], "verify_lens": [], "block_accept_lens": []}
         self.compile_seconds = self._compile_all() if (config or EngineConfig()).precompile else 0.0
 
+    @classmethod
+    def from_pretrained(cls, path, draft_path, config: EngineConfig | None = None,
+                        spec: SpeculativeConfig | None = None, *, block_size: int | None = None) -> "SpeculativeEngine":
+        """Target folder (Hugging Face Qwen3) + drafter folder (dspark_jax/drafter/checkpoint.py)."""
+        from dspark_jax.checkpoint import load_model
+        from dspark_jax.drafter.checkpoint import load_drafter
+        from dspark_jax.errors import CheckpointError
+
+        ec = config or EngineConfig()
+        dtype = ec.dtype or ("float32" if jax.default_backend() == "cpu" else None)
+        tcfg, model = load_model(path, dtype=dtype)
+        dcfg, drafter = load_drafter(draft_path, dtype=model.dtype)
+        for f in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if getattr(dcfg, f) != getattr(tcfg, f):
+                raise CheckpointError(f"drafter {draft_path} does not fit target {path}: {f} {getattr(dcfg, f)} != {getattr(tcfg, f)}")
+        if block_size is not None and block_size != dcfg.block_size:
+            raise CheckpointError(f"--block-size {block_size} differs from the drafter's trained block size {dcfg.block_size}")
+        return cls(model, Tokenizer.from_folder(path), drafter, ec, spec)
+
     # -- compilation ------------------------------------------------------------------------
     def _spec_shapes(self):
         mx = self.ec.max_running_requests
