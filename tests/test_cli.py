@@ -40,7 +40,6 @@ def test_bad_arguments_exit_nonzero_with_message(hf_model_dir, tmp_path):
 
 
 def test_speculative_flags_give_plain_greedy_tokens_and_spec_stats(hf_model_dir, tmp_path, tiny_engine):
-    import jax.numpy as jnp
     from flax import nnx
 
     from dspark_jax.checkpoint import load_model

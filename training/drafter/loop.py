@@ -35,7 +35,7 @@ from training.drafter.selfdistill import MANIFEST_FILE, dataset_fingerprint, loa
 from training.drafter.step import (DrafterSteps, abstract_drafter_params, add_sums, init_drafter_params, summarize,
                                    target_params)
 from training.pretrain.checkpoint import RunCheckpoints, best_dir, save_params
-from training.pretrain.loop import truncate_metrics
+from training.pretrain.loop import check_run_record, truncate_metrics
 from training.pretrain.parallel import data_mesh, replicated, shard_batch
 from training.pretrain.step import DTYPES
 from training.tokenizer import MASK
@@ -50,19 +50,6 @@ def resolve_mask_token(target_dir: Path, tc: DrafterTrainConfig) -> int:
     if mask is None:
         raise ValueError(f"{target_dir}: the tokenizer has no {MASK} token; pass mask_token_id")
     return mask
-
-
-def _prepare_run_dir(run_dir: Path, record: dict) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / RUN_FILE
-    if path.exists():
-        old = json.loads(path.read_text())
-        for key in ("drafter_config", "train_numerics", "target", "data"):
-            if old.get(key) != record[key]:
-                raise ValueError(f"{path}: {key} differs from this invocation's; resume with the same settings "
-                                 "or start a new run directory")
-    else:
-        path.write_text(json.dumps(record, indent=2) + "\n")
 
 
 def train_drafter(target_dir: Path | str, data_dir: Path | str, run_dir: Path | str, tc: DrafterTrainConfig, *,
@@ -85,7 +72,7 @@ def train_drafter(target_dir: Path | str, data_dir: Path | str, run_dir: Path | 
                  "validation": dataset_fingerprint(data_dir / "validation") if has_val else None},
     }
     record = json.loads(json.dumps(record))  # tuples -> lists, as a resumed run reads them back
-    _prepare_run_dir(run_dir, record)
+    check_run_record(run_dir, record, ("drafter_config", "train_numerics", "target", "data"))
     metrics_path = run_dir / METRICS_FILE
 
     geo = BlockGeometry(tc.seq_len, tc.num_anchors, dcfg.block_size, dcfg.mask_token_id, tcfg.pad_token_id or 0)

@@ -29,7 +29,7 @@ from dspark_jax.mtp.model import MTPConfig, save_mtp
 from training.pretrain.checkpoint import RunCheckpoints
 from training.pretrain.config import TrainConfig
 from training.pretrain.data import Rows
-from training.pretrain.loop import METRICS_FILE, RUN_FILE, truncate_metrics, pad_rows
+from training.pretrain.loop import METRICS_FILE, check_run_record, pad_rows, truncate_metrics
 from training.pretrain.parallel import data_mesh, replicated, shard_batch
 from training.mtp.step import METRICS, LossConfig, MTPSteps, abstract_mtp_params, init_mtp_params, mtp_params_to_model
 
@@ -50,19 +50,6 @@ def evaluate(steps: MTPSteps, params, target_params, val: dict[str, Rows], batch
     return out
 
 
-def _check_run(run_dir: Path, record: dict) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / RUN_FILE
-    if path.exists():
-        old = json.loads(path.read_text())
-        for key in record:
-            if old.get(key) != record[key]:
-                raise ValueError(f"{path}: {key} differs from this invocation's; resume with the same settings "
-                                 "or start a new run directory")
-    else:
-        path.write_text(json.dumps(record, indent=2) + "\n")
-
-
 def train_mtp(target_dir: Path | str, run_dir: Path | str, tc: TrainConfig, sampler, val: dict[str, Rows],
               loss: LossConfig = LossConfig(), *, data_id=None, stop_at: int | None = None,
               progress: bool = True, devices=None, export_dtype: str = "float32") -> dict:
@@ -74,7 +61,7 @@ def train_mtp(target_dir: Path | str, run_dir: Path | str, tc: TrainConfig, samp
     run_dir = Path(run_dir)
     tcfg, target = load_model(target_dir, dtype="float32")
     mcfg = MTPConfig.from_target(tcfg)
-    _check_run(run_dir, {"target_config": tcfg.to_hf_dict(), "train_config": tc.to_json(),
+    check_run_record(run_dir, {"target_config": tcfg.to_hf_dict(), "train_config": tc.to_json(),
                          "loss_config": dataclasses.asdict(loss), "data": data_id})
     metrics_path = run_dir / METRICS_FILE
     mesh = data_mesh(devices)

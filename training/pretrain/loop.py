@@ -54,17 +54,23 @@ def _run_record(cfg, tc: TrainConfig, corpus_dir: Path, tokenizer_path: Path) ->
     }
 
 
-def _prepare_run_dir(run_dir: Path, record: dict, tokenizer_path: Path) -> None:
+def check_run_record(run_dir: Path, record: dict, keys=None) -> None:
+    """Write run.json on a fresh run; on resume, refuse settings that differ in `keys` (default
+    all of the record's), since mixing them would silently train a different run."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / RUN_FILE
     if path.exists():
         old = json.loads(path.read_text())
-        for key in ("model_config", "train_config", "corpus", "tokenizer_sha256"):
+        for key in keys or record:
             if old.get(key) != record[key]:
                 raise ValueError(f"{path}: {key} differs from this invocation's; resume with the same settings "
                                  "or start a new run directory")
     else:
         path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def _prepare_run_dir(run_dir: Path, record: dict, tokenizer_path: Path) -> None:
+    check_run_record(run_dir, record, ("model_config", "train_config", "corpus", "tokenizer_sha256"))
     shutil.copyfile(tokenizer_path, run_dir / TOKENIZER_FILE)
 
 
