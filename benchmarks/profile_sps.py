@@ -1,0 +1,129 @@
+"""SPS profiler: measure speculative step time over batch size x verify fraction, fit the table.
+
+For each cell (batch size bs, fraction f) the compact round is run with the budget forced to
+K = round(f * bs * gamma) on a steady batch (every request at the same context, nothing
+committed between repeats, i.e. one committed token per step in SGLang's terms), and its median
+time recorded.  The additive model T(bs, K) = bias + alpha(bs) + theta(bs + K) is then fitted by
+least squares (one-hot batch sizes, 64-token M bins) and written as the JSON table the engine
+reads (--sps-table-path), with a predicted-vs-measured plot.
+
+    python benchmarks/profile_sps.py --model-path TARGET --draft-model-path DRAFTER \\
+        --batch-sizes 1 2 4 8 16 32 64 --fractions 0 0.25 0.5 0.75 1 --out-dir benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from benchmarks.common import environment, time_fn, write_results
+from dspark_jax.engine import EngineConfig
+from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
+from dspark_jax.speculative.cost_model import fit_additive_cost
+from dspark_jax.speculative.step import SpecInputs
+
+
+def steady_inputs(eng: SpeculativeEngine, bs: int, K: int, context: int):
+    """Inputs for bs requests whose anchors sit at `context`, pages reserved, budget K."""
+    T = eng.tiers.tier_for(bs, K)
+    S = min(T, eng.ec.max_running_requests)
+    P = eng.pages_per_seq
+    table = np.zeros((S, P), np.int32)
+    for i in range(bs):
+        eng.pool.reserve(("profile", i), context + eng.lookahead)
+        table[i] = eng.pool.page_table_row(("profile", i), P)
+    live = np.arange(S) < bs
+    z = lambda dt: np.zeros(S, dt)
+    inp = SpecInputs(np.where(live, 5, 0).astype(np.int32), np.where(live, context, 0).astype(np.int32), table, live,
+                     np.int32(bs), np.int32(K), z(np.float32), z(np.int32), np.ones(S, np.float32), z(np.uint32))
+    return T, S, jax.device_put(inp)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--draft-model-path", required=True)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--m-bin", type=int, default=64)
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--out-dir", action="append", default=[])
+    args = ap.parse_args(argv)
+
+    env = environment()
+    mx = max(args.batch_sizes)
+    eng = SpeculativeEngine.from_pretrained(
+        args.model_path, args.draft_model_path,
+        EngineConfig(max_running_requests=mx, max_model_len=args.context + 64, precompile=False),
+        SpeculativeConfig(mode="compact"))
+    G = eng.gamma
+    cells = []
+    for bs in tqdm(args.batch_sizes, desc="batch sizes"):
+        for f in args.fractions:
+            K = int(round(f * bs * G))
+            T, S, inp = steady_inputs(eng, bs, K, args.context)
+            fn = eng._compiled_spec(T, S)
+
+            def run():
+                out, eng.tcache, eng.dcache = fn(eng.target_state, eng.drafter_state, eng.tcache, eng.dcache, inp,
+                                                 eng.sts_temperatures)
+                jax.block_until_ready(out.bonus)
+
+            t = time_fn(run, warmup=3, iters=args.iters)
+            cells.append({"bs": bs, "K": K, "M": bs + K, "tier": T, "seconds": t})
+            for i in range(bs):
+                eng.pool.free(("profile", i))
+    fit = fit_additive_cost([(c["bs"], c["M"], c["seconds"]) for c in cells], m_bin=args.m_bin)
+    for c, p in zip(cells, fit.predicted_seconds):
+        c["predicted_seconds"] = float(p)
+    rel = np.abs(fit.residual_seconds) / np.array([c["seconds"] for c in cells])
+    payload = {"env": env, "gamma": G, "context": args.context, "cells": cells, "table": fit.table.to_dict(),
+               "rms_seconds": fit.rms_seconds, "r_squared": fit.r_squared, "max_relative_error": float(rel.max()),
+               "median_relative_error": float(np.median(rel))}
+    name = f"sps_table_{env['platform']}{args.tag}"
+    for d in [Path(__file__).parent / "results", *map(Path, args.out_dir)]:
+        d.mkdir(parents=True, exist_ok=True)
+        fit.table.save(d / f"{name}.table.json")
+    md = [f"# SPS cost table ({env['device']}, jax {env['jax']}, {env['date']}, commit {env['commit']})\n",
+          f"gamma {G}, context {args.context}; fit R^2 {fit.r_squared:.4f}, median |pred-meas|/meas "
+          f"{np.median(rel):.1%}, max {rel.max():.1%}.\n",
+          "| bs | K | M | tier | measured ms | predicted ms |", "|---:|---:|---:|---:|---:|---:|"]
+    md += [f"| {c['bs']} | {c['K']} | {c['M']} | {c['tier']} | {c['seconds'] * 1e3:.3f} | {c['predicted_seconds'] * 1e3:.3f} |"
+           for c in cells]
+    write_results(name, payload, "\n".join(md) + "\n", args.out_dir)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        meas = np.array([c["seconds"] for c in cells]) * 1e3
+        pred = np.array([c["predicted_seconds"] for c in cells]) * 1e3
+        fig, ax = plt.subplots(figsize=(4.5, 4.5))
+        ax.scatter(meas, pred, s=14)
+        lim = [0, max(meas.max(), pred.max()) * 1.05]
+        ax.plot(lim, lim, "k--", lw=0.8)
+        ax.set_xlabel("measured step ms")
+        ax.set_ylabel("predicted step ms")
+        ax.set_title(f"additive SPS model, {env['device']}")
+        fig.tight_layout()
+        for d in [Path(__file__).parent / "results", *map(Path, args.out_dir)]:
+            fig.savefig(d / f"{name}.png", dpi=120)
+    except ImportError:
+        print("matplotlib not installed: no plot")
+    print("\n".join(md))
+    print(json.dumps(fit.table.to_dict()))
+
+
+if __name__ == "__main__":
+    main()
