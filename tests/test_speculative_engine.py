@@ -155,3 +155,29 @@ def test_no_compilation_after_startup(pair, caplog):
         eng.generate(prompts, [GREEDY, SamplingParams(max_new_tokens=9, temperature=0.8, seed=2)] * 3)
     compiles = [r.message for r in caplog.records if "Compiling" in r.message]
     assert not compiles, compiles
+
+
+def test_sts_recording_feeds_the_calibration_cli(pair, tmp_path):
+    import subprocess
+    import sys
+
+    target, tok, drafter = pair
+    rec = tmp_path / "sts"
+    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC),
+                            SpeculativeConfig(mode="static", record_sts_dir=str(rec), record_shard_rows=16))
+    eng.generate(_prompts(target.config.vocab_size, 6, seed=11), GREEDY)
+    eng._recorder.flush()
+    shards = sorted(rec.glob("sts-*.npz"))
+    assert shards
+    data = np.load(shards[0])
+    assert data["logits"].shape[1] == drafter.config.block_size
+    assert ((0 <= data["num_accepted_drafts"]) & (data["num_accepted_drafts"] <= drafter.config.block_size)).all()
+    p = subprocess.run([sys.executable, "-m", "training.calibrate_sts", str(rec), "--dataset", "test",
+                        "--out", str(tmp_path / "sts.json")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    from dspark_jax.calibration.sts import StsCalibration
+
+    assert StsCalibration.load(tmp_path / "sts.json", block_size=drafter.config.block_size).block_size == 4
+    with pytest.raises(ValueError, match="compact"):
+        SpeculativeEngine(target, tok, drafter, EngineConfig(**EC, precompile=False),
+                          SpeculativeConfig(mode="compact", record_sts_dir=str(rec)))

@@ -48,6 +48,11 @@ class SpeculativeConfig:
     cost_table: AdditiveCostTable | None = None  # None: verify everything
     lag: int = 2
     min_predicted_gain: float | None = None
+    # STS data collection: write (raw confidence logits, accepted-draft counts) shards here.
+    # Needs full-block verification (static or cap-accept) and identity temperatures, or the
+    # labels would be censored by trimming / the logits already scaled.
+    record_sts_dir: str | None = None
+    record_shard_rows: int = 4096
 
 
 class SpeculativeEngine(Engine):
@@ -66,6 +71,15 @@ class SpeculativeEngine(Engine):
         if sts.block_size != G:
             raise ValueError(f"STS file has {sts.block_size} temperatures for block size {G}")
         self.sts_temperatures = jnp.asarray(sts.temperatures, jnp.float32)
+        self._recorder = None
+        if self.spec.record_sts_dir:
+            if self.spec.mode == "compact":
+                raise ValueError("STS data collection needs static or cap-accept mode: compact censors labels")
+            if not sts.is_identity:
+                raise ValueError("STS data collection needs identity temperatures (no --sts-path)")
+            from dspark_jax.calibration.recorder import StsRecorder
+
+            self._recorder = StsRecorder(self.spec.record_sts_dir, G, self.spec.record_shard_rows)
         self.scheduler_conf = ConfidenceScheduler(G, self.spec.cost_table, lag=self.spec.lag,
                                                   min_predicted_gain=self.spec.min_predicted_gain)
         self.tiers = TokenTiers(G, self.decode_buckets)
@@ -203,6 +217,8 @@ class SpeculativeEngine(Engine):
         out = jax.device_get(out)  # the one host read per round: committed tokens and small stats
         if self.spec.mode != "static":
             self.scheduler_conf.observe(self._step, out.survival[:bs], self._slot_gen[slots], slots=slots)
+        if self._recorder is not None:
+            self._recorder.add(out.confidence_logits[:bs], out.block_accept[:bs])
         self._step += 1
         events = []
         self.stats["rounds"] += 1

@@ -55,6 +55,7 @@ class SpecOutputs(NamedTuple):
     verify_lens: jax.Array  # [S] window verified (anchor included)
     block_accept: jax.Array  # [S] drafts full verification would accept (exact in static/cap-accept)
     survival: jax.Array  # [S, gamma] calibrated cumulative survival (for the lag ring and metrics)
+    confidence_logits: jax.Array  # [S, gamma] raw z (STS data collection)
 
 
 def _keys(seed, position, stream: int):
@@ -119,7 +120,7 @@ def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCa
     keep = (n < incl[-1]) & (within <= acc.num_accepted[req])
     ctx_slots = jnp.where(keep, fb.slot_mapping, n % page_size)
     dcache = drafter.extend_context(dcache, out.taps, fb.positions, ctx_slots)
-    res = SpecOutputs(bs.tokens, acc.num_accepted, acc.bonus, verify_lens, acc.block_accept, survival)
+    res = SpecOutputs(bs.tokens, acc.num_accepted, acc.bonus, verify_lens, acc.block_accept, survival, bs.confidence)
     return res, out.cache, dcache
 
 

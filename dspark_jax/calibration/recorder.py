@@ -1,0 +1,45 @@
+"""STS data recorder: raw confidence logits and realised acceptance, sharded to .npz files.
+
+Each shard holds ``logits`` [n, gamma] (raw z, identity temperatures) and
+``num_accepted_drafts`` [n] (drafts full-block verification accepted), the keys
+training/calibrate_sts.py reads.  Shards are written whole (temp file + rename), so an
+interrupted run leaves only complete shards.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+
+class StsRecorder:
+    def __init__(self, out_dir: str | Path, block_size: int, shard_rows: int = 4096):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.block_size = block_size
+        self.shard_rows = shard_rows
+        self._logits: list[np.ndarray] = []
+        self._accepted: list[np.ndarray] = []
+        self._rows = 0
+        self._next = len(list(self.out_dir.glob("sts-*.npz")))
+
+    def add(self, logits, num_accepted) -> None:
+        logits = np.asarray(logits, np.float32).reshape(-1, self.block_size)
+        self._logits.append(logits)
+        self._accepted.append(np.asarray(num_accepted, np.int32).reshape(-1))
+        self._rows += len(logits)
+        if self._rows >= self.shard_rows:
+            self.flush()
+
+    def flush(self) -> Path | None:
+        if not self._rows:
+            return None
+        path = self.out_dir / f"sts-{self._next:05d}.npz"
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez_compressed(tmp, logits=np.concatenate(self._logits), num_accepted_drafts=np.concatenate(self._accepted))
+        os.replace(tmp, path)
+        self._next += 1
+        self._logits, self._accepted, self._rows = [], [], 0
+        return path
