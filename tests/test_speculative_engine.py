@@ -90,6 +90,12 @@ def test_greedy_speculation_equals_plain_greedy(pair, plain, mode, table):
         assert sum(sp["window_histogram"]) == sp["verify_ct"] and 0 < sp["utilization"] <= 1
     eng.pool.check_invariants()
     assert eng.pool.num_free_pages == eng.pool.num_usable_pages
+    summ = eng.summary()
+    assert summ["rounds"] == eng.stats["rounds"] and abs(summ["accept_length"] - acc.mean()) < 1e-9
+    if mode != "compact":  # uncensored labels: per-position calibration metrics are reported
+        assert len(summ["confidence"]["ece"]) == drafter.config.block_size
+    if table is not None:
+        assert summ["step_time"]["predicted_mean_s"] > 0
 
 
 def test_compact_and_cap_accept_commit_identical_tokens(pair):

@@ -103,7 +103,12 @@ class SpeculativeEngine(Engine):
         self._slot_of: dict[str, int] = {}
         self._slot_gen = np.full(self.ec.max_running_requests, -1, np.int64)
         self._gen_counter = 0
-        self.stats = {"rounds": 0, "accept_lens": [], "verify_lens": [], "block_accept_lens": []}
+        self.stats = {"rounds": 0, "accept_lens": [], "verify_lens": [], "block_accept_lens": [],
+                      "predicted_step_s": [], "measured_step_s": []}
+        from dspark_jax.calibration.metrics import ConfidenceMetricsAccumulator
+
+        # Online calibration of the confidence head, where labels are uncensored (full-block verify).
+        self.confidence_metrics = ConfidenceMetricsAccumulator(G) if self.spec.mode != "compact" else None
         self.compile_seconds = self._compile_all() if (config or EngineConfig()).precompile else 0.0
 
     @classmethod
@@ -194,11 +199,13 @@ class SpeculativeEngine(Engine):
     def _decode(self, reqs):
         G, bs = self.gamma, len(reqs)
         slots = np.array([self._slot_of[r.id] for r in reqs])
+        predicted = None
         if self.spec.mode == "static":
             K = bs * G
         else:
             lagged = self.scheduler_conf.lagged(self._step, self._slot_gen[slots], slots=slots)
-            K = self.scheduler_conf.budget(lagged.survival, lagged.fresh)
+            decision = self.scheduler_conf.decide_budget(lagged.survival, lagged.fresh)
+            K, predicted = decision.budget, decision.predicted_step_seconds
         T = self.tiers.tier_for(bs, K) if self.spec.mode == "compact" else self.tiers.round_up(bs * (G + 1))
         S = min(T, self.ec.max_running_requests)
         P = self.pages_per_seq
@@ -212,9 +219,16 @@ class SpeculativeEngine(Engine):
         inp = SpecInputs(pad([r.output_ids[-1] for r in reqs], np.int32), pad([r.total_len - 1 for r in reqs], np.int32),
                          table, live, np.int32(bs), np.int32(K), temp, top_k, top_p, seed)
         fn = self._compiled_spec(T, S)
+        t0 = time.perf_counter()
         out, self.tcache, self.dcache = fn(self.target_state, self.drafter_state, self.tcache, self.dcache, inp,
                                            self.sts_temperatures)
         out = jax.device_get(out)  # the one host read per round: committed tokens and small stats
+        if predicted is not None:  # predicted vs measured step time, for checking the cost table
+            self.stats["predicted_step_s"].append(predicted)
+            self.stats["measured_step_s"].append(time.perf_counter() - t0)
+        if self.confidence_metrics is not None:
+            labels = np.arange(G)[None, :] < out.block_accept[:bs, None]
+            self.confidence_metrics.update(out.survival[:bs], labels)
         if self.spec.mode != "static":
             self.scheduler_conf.observe(self._step, out.survival[:bs], self._slot_gen[slots], slots=slots)
         if self._recorder is not None:
@@ -235,6 +249,23 @@ class SpeculativeEngine(Engine):
             if r.status is Status.FINISHED:
                 self._slot_of.pop(r.id, None)
         return events
+
+    def summary(self) -> dict:
+        """Aggregate speculative statistics since start-up (engine-level observability)."""
+        st = self.stats
+        acc, win, blk = (np.asarray(st[k], float) for k in ("accept_lens", "verify_lens", "block_accept_lens"))
+        out = {"mode": self.spec.mode, "rounds": st["rounds"]}
+        if acc.size:
+            out.update(accept_length=float(acc.mean()), window=float(win.mean()),
+                       window_histogram=np.bincount(win.astype(int), minlength=self.gamma + 2).tolist(),
+                       block_accept_length=float(blk.mean()), utilization=float(acc.sum() / blk.sum()))
+        if st["predicted_step_s"]:
+            pred, meas = np.asarray(st["predicted_step_s"]), np.asarray(st["measured_step_s"])
+            out["step_time"] = {"predicted_mean_s": float(pred.mean()), "measured_mean_s": float(meas.mean()),
+                                "median_relative_error": float(np.median(np.abs(pred - meas) / meas))}
+        if self.confidence_metrics is not None and acc.size:
+            out["confidence"] = self.confidence_metrics.summary()
+        return out
 
     def abort(self, request_id: str) -> None:
         super().abort(request_id)
