@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--block-size", type=int, default=None, help="must equal the drafter's trained block size")
     ap.add_argument("--sps-table-path", default=None, help="additive step-cost table JSON (none: verify everything)")
     ap.add_argument("--sts-path", default=None, help="STS temperatures JSON (none: identity)")
+    ap.add_argument("--record-sts-dir", default=None,
+                    help="write STS calibration data (raw confidence logits, accepted drafts) here; "
+                         "needs --verify-mode static or cap-accept and no --sts-path")
     ap.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     ap.add_argument("-v", "--verbose", action="store_true")
     return ap
@@ -90,6 +93,8 @@ def main(argv=None) -> int:
         else:
             engine = Engine.from_pretrained(model_path, ec)
         results = engine.generate(prompts, params)
+        if getattr(engine, "_recorder", None) is not None:
+            engine._recorder.flush()
     except (DsparkError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -122,6 +127,7 @@ def _speculative_engine(args, model_path, ec):
         mode=args.verify_mode,
         sts=StsCalibration.load(args.sts_path) if args.sts_path else None,
         cost_table=load_cost_table(args.sps_table_path),
+        record_sts_dir=args.record_sts_dir,
     )
     return SpeculativeEngine.from_pretrained(model_path, draft, ec, spec, block_size=args.block_size)
 
