@@ -93,8 +93,8 @@ def main(argv=None) -> int:
         else:
             engine = Engine.from_pretrained(model_path, ec)
         results = engine.generate(prompts, params)
-        if getattr(engine, "_recorder", None) is not None:
-            engine._recorder.flush()
+        if hasattr(engine, "flush_records"):
+            engine.flush_records()
     except (DsparkError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -172,7 +172,7 @@ def test_sts_recording_feeds_the_calibration_cli(pair, tmp_path):
     eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC),
                             SpeculativeConfig(mode="static", record_sts_dir=str(rec), record_shard_rows=16))
     eng.generate(_prompts(target.config.vocab_size, 6, seed=11), GREEDY)
-    eng._recorder.flush()
+    eng.flush_records()
     shards = sorted(rec.glob("sts-*.npz"))
     assert shards
     data = np.load(shards[0])

@@ -250,6 +250,10 @@ class SpeculativeEngine(Engine):
                 self._slot_of.pop(r.id, None)
         return events
 
+    def flush_records(self):
+        """Write any buffered STS calibration rows to a shard (no-op when not recording)."""
+        return self._recorder.flush() if self._recorder is not None else None
+
     def summary(self) -> dict:
         """Aggregate speculative statistics since start-up (engine-level observability)."""
         st = self.stats
