@@ -136,3 +136,17 @@ def test_unrolled_decode_and_lazy_compile_give_identical_tokens(hf_model_dir, ti
     prompts = _prompts(tiny_engine, 5, seed=31)
     assert [r.token_ids for r in eng.generate(prompts, GREEDY)] == [r.token_ids for r in tiny_engine.generate(prompts, GREEDY)]
     assert eng.runner.compiled_buckets  # compiled on first use
+
+
+def test_overlapped_decode_equals_synchronous_decode(hf_model_dir, tiny_engine):
+    """Dispatching step t+1 before reading step t must not change a single token, whatever
+    finishes when (mixed lengths, stop ids, sampling, more requests than slots)."""
+    sync = Engine.from_pretrained(hf_model_dir, EngineConfig(max_running_requests=4, max_prefill_tokens=64,
+                                                             max_model_len=256, overlap=False))
+    prompts = _prompts(tiny_engine, 9, seed=41)
+    params = [SamplingParams(max_new_tokens=3 + 2 * i, temperature=0.8 * (i % 2), seed=i, ignore_eos=True,
+                             stop_token_ids=(7,) if i % 3 == 0 else ()) for i in range(9)]
+    got = tiny_engine.generate(prompts, params)
+    want = sync.generate(prompts, params)
+    assert [(r.token_ids, r.finish_reason) for r in got] == [(r.token_ids, r.finish_reason) for r in want]
+    assert tiny_engine.pool.num_free_pages == tiny_engine.pool.num_usable_pages

@@ -50,6 +50,7 @@ class EngineConfig:
     dtype: str | None = None  # default: float32 on CPU (bf16 math is slow there), else the checkpoint's
     compile_cache_dir: str | None = None
     precompile: bool = True  # False: compile each shape bucket on first use
+    overlap: bool = True  # dispatch decode step t+1 (fed on device by step t) before reading step t
     seed: int = 0  # draws seeds for requests that do not bring one
 
 
@@ -86,6 +87,7 @@ class Engine:
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self.lookahead = 0  # positions past the last token a step may write (speculative blocks)
+        self._inflight: tuple[list[Request], jax.Array] | None = None  # a dispatched, unread decode step
         self.compile_seconds = self.runner.compile(self.all_buckets()) if ec.precompile else 0.0
 
     @classmethod
@@ -166,10 +168,10 @@ class Engine:
         self.scheduler.admit()
         chunks = self.scheduler.next_prefill()
         if chunks:
-            events = self._prefill(chunks)
+            events = self._drain() + self._prefill(chunks)
         else:
             reqs = self.scheduler.decode_batch()
-            events = self._decode(reqs) if reqs else []
+            events = self._decode(reqs) if reqs else self._drain()
         for req in self.scheduler.release_finished():
             self._requests.pop(req.id, None)
         return events
@@ -198,18 +200,59 @@ class Engine:
         return events
 
     def _decode(self, reqs):
+        """Decode one token for every running request.
+
+        With overlap, when the batch is the one in flight the next step is dispatched first,
+        fed on device by the in-flight step's tokens, and only then are those tokens read: the
+        host's bookkeeping runs while the device computes.  A request that turns out to have
+        finished in the step being read wasted one token's work in the step just dispatched;
+        its output is ignored.  Any change of batch composition reads the in-flight step first."""
+        prev = self._inflight
+        if self.ec.overlap and prev is not None and prev[0] == reqs:
+            self._inflight = self._dispatch_decode(reqs, prev[1])
+            return self._read(prev)
+        events = self._drain()
+        reqs = [r for r in reqs if r.status is not Status.FINISHED]
+        if reqs:
+            self._inflight = self._dispatch_decode(reqs, None)
+            if not self.ec.overlap:
+                events += self._drain()
+        return events
+
+    def _dispatch_decode(self, reqs, fed_tokens):
+        """fed_tokens: None (feed each request's last known token) or the device output of the
+        in-flight step (one token ahead of what the host has seen)."""
+        ahead = 0 if fed_tokens is None else 1
         B = round_up(len(reqs), self.decode_buckets)
-        seqs = [(np.asarray(r.output_ids[-1:]), r.total_len - 1, self.pool.pages(r.id)) for r in reqs]
+        seqs = [(np.asarray(r.output_ids[-1:]), r.total_len - 1 + ahead, self.pool.pages(r.id)) for r in reqs]
         batch = build_forward_batch(
             seqs, page_size=self.pool.page_size, num_tokens=B, num_seqs=B, pages_per_seq=self.pages_per_seq
         )
-        sampling = sampling_arrays([r.params for r in reqs], [r.seed for r in reqs], [r.total_len for r in reqs], B)
-        tokens = np.asarray(self.runner.run(batch, sampling))
+        if fed_tokens is not None:
+            batch = batch._replace(input_ids=fed_tokens)
+        positions = [r.total_len + ahead for r in reqs]
+        sampling = sampling_arrays([r.params for r in reqs], [r.seed for r in reqs], positions, B)
+        tokens = self.runner.run(batch, sampling)
+        tokens.copy_to_host_async()
+        return reqs, tokens
+
+    def _read(self, inflight):
+        """Read a dispatched decode step's tokens (the one host sync) and commit them."""
+        reqs, tokens = inflight
+        tokens = np.asarray(tokens)
         events = []
         for i, r in enumerate(reqs):
+            if r.status is Status.FINISHED:
+                continue  # finished (or aborted) in an earlier step: this token was speculative work
             r.num_cached += 1
             events.append((r, r.append_tokens([tokens[i]])))
         return events
+
+    def _drain(self):
+        if self._inflight is None:
+            return []
+        inflight, self._inflight = self._inflight, None
+        return self._read(inflight)
 
     # -- batch API ------------------------------------------------------------------------
     def generate(self, prompts, sampling: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationResult]:
