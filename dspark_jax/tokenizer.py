@@ -81,6 +81,14 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(int(token_id))
+
+    @property
+    def eos_token(self) -> str | None:
+        """The first end-of-sequence token's string (chat templates print it)."""
+        return self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
+
 
 class IncrementalDecoder:
     """Turns a growing list of token ids into text deltas that are always whole characters.

@@ -153,6 +153,10 @@ class Engine:
         self.scheduler.add(req)
         return rid
 
+    def get_request(self, request_id: str) -> Request | None:
+        """The live (queued or running) request with this id, or None once it is released."""
+        return self._requests.get(request_id)
+
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
         self.scheduler.release_finished()

@@ -13,6 +13,7 @@ commit as compact would, report the uncensored ceiling).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -56,6 +57,8 @@ class SpeculativeConfig:
 
 
 class SpeculativeEngine(Engine):
+    STATS_WINDOW = 65536  # per-request-round samples kept for summary()
+
     def __init__(self, model: Qwen3ForCausalLM, tokenizer: Tokenizer | None, drafter: DSparkDrafter,
                  config: EngineConfig | None = None, spec: SpeculativeConfig | None = None):
         ec = dataclasses.replace(config or EngineConfig(), precompile=False)  # no plain decode buckets
@@ -103,8 +106,10 @@ class SpeculativeEngine(Engine):
         self._slot_of: dict[str, int] = {}
         self._slot_gen = np.full(self.ec.max_running_requests, -1, np.int64)
         self._gen_counter = 0
-        self.stats = {"rounds": 0, "accept_lens": [], "verify_lens": [], "block_accept_lens": [],
-                      "predicted_step_s": [], "measured_step_s": []}
+        # Per-round samples for summary(): a rolling window, so a long-running server stays bounded.
+        window = lambda: collections.deque(maxlen=self.STATS_WINDOW)
+        self.stats = {"rounds": 0, "samples": 0, "accept_lens": window(), "verify_lens": window(), "block_accept_lens": window(),
+                      "predicted_step_s": window(), "measured_step_s": window()}
         from dspark_jax.calibration.metrics import ConfidenceMetricsAccumulator
 
         # Online calibration of the confidence head, where labels are uncensored (full-block verify).
@@ -245,6 +250,7 @@ class SpeculativeEngine(Engine):
             self.stats["accept_lens"].append(a + 1)
             self.stats["verify_lens"].append(int(out.verify_lens[i]))
             self.stats["block_accept_lens"].append(int(out.block_accept[i]) + 1)
+            self.stats["samples"] += 1  # total ever appended (the deques keep only the last window)
             events.append((r, committed))
             if r.status is Status.FINISHED:
                 self._slot_of.pop(r.id, None)

@@ -1,0 +1,363 @@
+"""The FastAPI application: OpenAI-compatible and SGLang-style endpoints over an EngineLoop.
+
+    app = create_app(engine, ServerConfig(model_name="m"))
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /generate,
+GET /health, GET /metrics, GET /server_info.  Every error is an OpenAI-style body
+{"error": {"message", "type", "param", "code"}}, logged at WARNING, and touches no other request.
+A client that disconnects aborts its request (slot and KV pages are freed at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dspark_jax.errors import InvalidRequestError
+from serving.chat import ChatTemplateError, render_chat
+from serving.engine_loop import EngineLoop, RequestStream
+from serving.metrics import ServerMetrics
+from serving.protocol import (
+    SSE_DONE, ApiError, ParsedRequest, now, parse_chat, parse_completion, parse_generate, parse_json_body,
+    spec_fields, sse, usage,
+)
+
+log = logging.getLogger("serving")
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    model_name: str = "default"
+    model_path: str | None = None
+    draft_model_path: str | None = None
+    speculative_algorithm: str = "NONE"
+    verify_mode: str | None = None
+    block_size: int | None = None
+    shutdown_timeout: float = 30.0  # SIGTERM: how long in-flight requests may run before abort
+    extra: dict = dataclasses.field(default_factory=dict)  # more fields for /server_info
+
+
+class TextDeltas:
+    """Turns the growing request text into stream deltas that never show part of a stop string.
+
+    The engine cuts a stop string (and what follows) from the final text; any suffix of the
+    text that could still grow into a stop string is held back until the next step decides."""
+
+    def __init__(self, stops=()):
+        self.stops = tuple(stops)
+        self.sent = 0
+
+    def update(self, text: str) -> str:
+        end = len(text)
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        end -= hold
+        if end <= self.sent:
+            return ""
+        delta, self.sent = text[self.sent:end], end
+        return delta
+
+    def final(self, text: str) -> str:
+        delta = text[self.sent:]
+        self.sent = max(self.sent, len(text))
+        return delta
+
+
+class ServerState:
+    def __init__(self, engine, cfg: ServerConfig):
+        self.engine = engine
+        self.cfg = cfg
+        self.metrics = ServerMetrics(cfg.model_name, speculative=cfg.speculative_algorithm != "NONE")
+        self.loop = EngineLoop(engine, self.metrics)
+        self.draining = False
+        self.started = time.time()
+        self._drain_timer: threading.Timer | None = None
+
+    def begin_drain(self, timeout: float | None = None) -> None:
+        """Stop taking new requests; abort whatever still runs after `timeout` seconds."""
+        if self.draining:
+            return
+        self.draining = True
+        t = self.cfg.shutdown_timeout if timeout is None else timeout
+        log.info("draining: no new requests; in-flight ones get %.1f s before they are aborted", t)
+        self._drain_timer = threading.Timer(t, self.loop.abort_all)
+        self._drain_timer.daemon = True
+        self._drain_timer.start()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+
+def _error_response(state: ServerState | None, err: ApiError, request: Request | None = None) -> JSONResponse:
+    where = f"{request.method} {request.url.path}" if request is not None else ""
+    log.warning("%s -> %d: %s", where, err.status, err.message)
+    if state is not None:
+        state.metrics.http_errors.labels(status=str(err.status)).inc()
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
+    cfg = cfg or ServerConfig()
+    state = ServerState(engine, cfg)
+
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app):
+        if not state.loop._thread.is_alive() and not state.loop._thread.ident:
+            state.loop.start()
+        yield
+        state.draining = True
+        state.loop.stop()
+        if state._drain_timer:
+            state._drain_timer.cancel()
+
+    app = FastAPI(title="dspark-jax", lifespan=lifespan)
+    app.state.server = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return _error_response(state, exc, request)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return _error_response(state, ApiError(str(exc.detail), status=exc.status_code,
+                                               type="not_found_error" if exc.status_code == 404 else "invalid_request_error"), request)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("internal error on %s", request.url.path)
+        return _error_response(state, ApiError(f"internal error: {exc}", status=500, type="internal_error"), request)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def check_model(model: str | None) -> None:
+        if model is not None and model not in (cfg.model_name, cfg.model_path):
+            raise ApiError(f"model {model!r} is not served here; GET /v1/models lists {cfg.model_name!r}",
+                           status=404, param="model", type="invalid_request_error", code="model_not_found")
+
+    async def body_of(request: Request) -> dict:
+        return parse_json_body(await request.body())
+
+    async def start(prompt, params, prefix: str) -> tuple[RequestStream, dict]:
+        if state.draining:
+            raise ApiError("the server is shutting down", status=503, type="unavailable")
+        stream = state.loop.submit(prompt, params, asyncio.get_running_loop(), prefix)
+        try:
+            ev = await stream.get()
+        except asyncio.CancelledError:  # client gone before the engine took the request
+            state.loop.abort(stream.id)
+            raise
+        if ev[0] == "error":
+            if isinstance(ev[1], InvalidRequestError):
+                raise ApiError(str(ev[1]), param="prompt" if "prompt" in str(ev[1]) else None)
+            raise ApiError(str(ev[1]), status=503, type="unavailable")
+        return stream, ev[1]
+
+    async def run_to_end(request: Request, stream: RequestStream):
+        """Non-streaming: wait for "done", aborting the request if the client goes away."""
+
+        async def watch():
+            while True:
+                msg = await request.receive()
+                if msg["type"] == "http.disconnect":
+                    log.info("client disconnected: aborting %s", stream.id)
+                    state.loop.abort(stream.id)
+                    return
+
+        watcher = asyncio.create_task(watch())
+        try:
+            while True:
+                ev = await stream.get()
+                if ev[0] == "done":
+                    return ev[1]
+        finally:
+            watcher.cancel()
+            if not stream.finished:
+                state.loop.abort(stream.id)
+
+    async def events(stream: RequestStream, stops):
+        """Streaming: yields (text delta, new ids, result or None); aborts on cancellation."""
+        deltas = TextDeltas(stops)
+        try:
+            while True:
+                ev = await stream.get()
+                if ev[0] == "delta":
+                    d = deltas.update(ev[2])
+                    yield d, ev[1], None
+                elif ev[0] == "done":
+                    yield deltas.final(ev[1].text), [], ev[1]
+                    return
+        finally:
+            if not stream.finished:  # client went away (task cancelled) or generator closed early
+                log.info("stream %s closed by the client: aborting", stream.id)
+                state.loop.abort(stream.id)
+
+    def spec_ext(parsed: ParsedRequest, result) -> dict:
+        if parsed.spec_details:
+            return {"sglext": {"spec_tokens_details": spec_fields(result)}}
+        return {}
+
+    def sse_response(gen) -> StreamingResponse:
+        return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    # -- OpenAI -------------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        parsed = parse_completion(await body_of(request), max_model_len=state.max_model_len)
+        check_model(parsed.model)
+        stream, info = await start(parsed.prompt, parsed.params, "cmpl")
+        created, model = now(), cfg.model_name
+        if not parsed.stream:
+            r = await run_to_end(request, stream)
+            return {
+                "id": stream.id, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"index": 0, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}],
+                "usage": usage(len(r.prompt_token_ids), len(r.token_ids)), **spec_ext(parsed, r),
+            }
+
+        async def gen():
+            base = {"id": stream.id, "object": "text_completion", "created": created, "model": model}
+            extra = {"usage": None} if parsed.include_usage else {}
+            async for text, ids, r in events(stream, parsed.params.stop):
+                if r is None and not text:
+                    continue
+                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": r.finish_reason if r else None}
+                yield sse({**base, "choices": [choice], **extra})
+                if r is not None:
+                    if parsed.include_usage:
+                        yield sse({**base, "choices": [], "usage": usage(len(r.prompt_token_ids), len(r.token_ids)),
+                                   **spec_ext(parsed, r)})
+            yield SSE_DONE
+
+        return sse_response(gen())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        messages, parsed = parse_chat(await body_of(request), max_model_len=state.max_model_len)
+        check_model(parsed.model)
+        tok = engine.tokenizer
+        try:
+            prompt = render_chat(messages, getattr(tok, "chat_template", None), **_special_tokens(tok))
+        except ChatTemplateError as e:
+            raise ApiError(str(e), param="messages") from None
+        stream, info = await start(prompt, parsed.params, "chatcmpl")
+        created, model = now(), cfg.model_name
+        if not parsed.stream:
+            r = await run_to_end(request, stream)
+            return {
+                "id": stream.id, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
+                             "logprobs": None, "finish_reason": r.finish_reason}],
+                "usage": usage(len(r.prompt_token_ids), len(r.token_ids)), **spec_ext(parsed, r),
+            }
+
+        async def gen():
+            base = {"id": stream.id, "object": "chat.completion.chunk", "created": created, "model": model}
+            extra = {"usage": None} if parsed.include_usage else {}
+            first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            yield sse({**base, "choices": [first], **extra})
+            async for text, ids, r in events(stream, parsed.params.stop):
+                if r is None and not text:
+                    continue
+                choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
+                          "finish_reason": r.finish_reason if r else None}
+                yield sse({**base, "choices": [choice], **extra})
+                if r is not None and parsed.include_usage:
+                    yield sse({**base, "choices": [], "usage": usage(len(r.prompt_token_ids), len(r.token_ids)),
+                               **spec_ext(parsed, r)})
+            yield SSE_DONE
+
+        return sse_response(gen())
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": int(state.started),
+                                            "owned_by": "dspark-jax", "root": cfg.model_path,
+                                            "max_model_len": state.max_model_len}]}
+
+    # -- SGLang ---------------------------------------------------------------------------------
+    def meta_info(rid, r, prompt_tokens, ids_count, finish) -> dict:
+        m = {"id": rid, "prompt_tokens": prompt_tokens, "completion_tokens": ids_count,
+             "finish_reason": {"type": finish} if finish else None}
+        if r is not None:
+            m.update(spec_fields(r))
+            m["e2e_latency"] = r.stats.get("latency_s")
+        return m
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        parsed = parse_generate(await body_of(request), max_model_len=state.max_model_len)
+        stream, info = await start(parsed.prompt, parsed.params, "gen")
+        if not parsed.stream:
+            r = await run_to_end(request, stream)
+            return {"text": r.text, "output_ids": r.token_ids,
+                    "meta_info": meta_info(stream.id, r, len(r.prompt_token_ids), len(r.token_ids), r.finish_reason)}
+
+        async def gen():
+            text, ids = "", []
+            async for d, new_ids, r in events(stream, parsed.params.stop):
+                text += d
+                ids += new_ids
+                if r is not None:
+                    ids = r.token_ids
+                yield sse({"text": text, "output_ids": ids,
+                           "meta_info": meta_info(stream.id, r, info["prompt_tokens"], len(ids), r.finish_reason if r else None)})
+            yield SSE_DONE
+
+        return sse_response(gen())
+
+    @app.get("/health")
+    async def health():
+        if not state.loop.alive:
+            return JSONResponse({"status": "engine not running", "error": repr(state.loop.error)}, status_code=503)
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+    @app.get("/server_info")
+    async def server_info():
+        snap = dict(state.loop.snapshot)
+        ec = engine.ec
+        avg_acc = None
+        st = getattr(engine, "stats", None)
+        if isinstance(st, dict) and st.get("accept_lens"):
+            avg_acc = float(sum(st["accept_lens"]) / len(st["accept_lens"]))
+        return {
+            "model_path": cfg.model_path, "served_model_name": cfg.model_name,
+            "draft_model_path": cfg.draft_model_path, "speculative_algorithm": cfg.speculative_algorithm,
+            "verify_mode": cfg.verify_mode, "block_size": cfg.block_size,
+            "max_running_requests": ec.max_running_requests, "max_model_len": state.max_model_len,
+            "page_size": engine.pool.page_size, "num_pages": engine.pool.num_pages,
+            "max_prefill_tokens": ec.max_prefill_tokens, "compile_seconds": getattr(engine, "compile_seconds", None),
+            "draining": state.draining, "uptime_s": time.time() - state.started,
+            "memory_usage": {"token_capacity": snap["token_capacity"], "kv_used_pages": snap["kv_used_pages"],
+                             "kv_free_pages": snap["kv_free_pages"], "kv_total_pages": snap["kv_total_pages"]},
+            "internal_states": [{**snap, "avg_spec_accept_length": avg_acc}],
+            **cfg.extra,
+        }
+
+    return app
+
+
+def _special_tokens(tok) -> dict:
+    """eos token string for chat templates that print it (HF passes it too).
+
+    bos_token stays "": Tokenizer.encode already prepends bos when the model asks for one, so a
+    template that prints it would double it."""
+    return {"bos_token": "", "eos_token": (tok.eos_token if tok is not None else None) or ""}

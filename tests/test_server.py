@@ -1,0 +1,468 @@
+"""The OpenAI-compatible server (serving/), driven over loopback with the official openai client.
+
+One in-process server (uvicorn in a thread, on a socket bound to 127.0.0.1:0) over a tiny random
+Qwen3 model serves every test in this module; one subprocess test covers `python -m
+serving.launch` and graceful SIGTERM shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from tests.conftest import write_hf_qwen3  # noqa: E402
+
+MAX_RUNNING = 16
+MAX_MODEL_LEN = 2048
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_hf_qwen3(tmp_path_factory.mktemp("srv") / "tiny-qwen3", max_pos=MAX_MODEL_LEN)
+
+
+@contextlib.contextmanager
+def serve_in_thread(app):
+    """uvicorn in a daemon thread on a socket bound to 127.0.0.1:0; yields the base URL."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    try:
+        deadline = time.time() + 30
+        while not srv.started:
+            assert time.time() < deadline, "server did not start"
+            assert th.is_alive(), "server thread died"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        th.join(15)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    from dspark_jax.engine import Engine, EngineConfig
+    from serving.app import ServerConfig, create_app
+
+    engine = Engine.from_pretrained(model_dir, EngineConfig(max_running_requests=MAX_RUNNING, max_prefill_tokens=256,
+                                                            max_model_len=MAX_MODEL_LEN))
+    app = create_app(engine, ServerConfig(model_name="tiny", model_path=str(model_dir)))
+    with serve_in_thread(app) as base:
+
+        class S:
+            pass
+
+        S.base, S.tokenizer, S.state = base, engine.tokenizer, app.state.server
+        yield S
+
+
+@pytest.fixture()
+def client(server):
+    with openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def _get(server, path):
+    r = httpx.get(server.base + path, timeout=10, trust_env=False)
+    return r
+
+
+def _metrics(server) -> dict:
+    out = {}
+    for fam in text_string_to_metric_families(_get(server, "/metrics").text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _wait_idle(server, timeout=15.0) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        info = _get(server, "/server_info").json()
+        st = info["internal_states"][0]
+        if st["num_running_reqs"] == 0 and st["num_queue_reqs"] == 0 and st["kv_used_pages"] == 0:
+            return info
+        assert time.time() < deadline, f"server not idle: {st}"
+        time.sleep(0.05)
+
+
+GREEDY = {"temperature": 0}
+NOEOS = {"ignore_eos": True}
+
+
+# -- basics ----------------------------------------------------------------------------------------
+
+def test_health_models_server_info(server, client):
+    assert _get(server, "/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    info = _get(server, "/server_info").json()
+    assert info["max_running_requests"] == MAX_RUNNING and info["max_model_len"] == MAX_MODEL_LEN
+    assert info["memory_usage"]["token_capacity"] > 0 and info["speculative_algorithm"] == "NONE"
+
+
+def test_completion_stream_equals_nonstream_and_usage(server, client):
+    prompt = "def hello(world):"
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, **GREEDY, extra_body=NOEOS)
+    assert r.choices[0].finish_reason == "length"
+    n_prompt = len(server.tokenizer.encode(prompt))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (n_prompt, 10, n_prompt + 10)
+    g = httpx.post(server.base + "/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}},
+                   timeout=30, trust_env=False).json()
+    assert g["text"] == r.choices[0].text and len(g["output_ids"]) == 10
+    assert g["meta_info"]["completion_tokens"] == 10 and g["meta_info"]["prompt_tokens"] == n_prompt
+    assert g["meta_info"]["finish_reason"] == {"type": "length"}
+    assert server.tokenizer.decode(g["output_ids"]) == g["text"]
+
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=10, stream=True, **GREEDY,
+                                            extra_body=NOEOS, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == r.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == n_prompt
+
+    # /generate streaming: cumulative text, last chunk has the finish reason
+    with httpx.stream("POST", server.base + "/generate", json={"input_ids": g["output_ids"][:3], "stream": True,
+                      "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}, timeout=30, trust_env=False) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["meta_info"]["finish_reason"] == {"type": "length"} and len(events[-1]["output_ids"]) == 5
+
+
+def test_chat_stream_and_nonstream(server, client):
+    from serving.chat import plain_template
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "print the list"}]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, **GREEDY, extra_body=NOEOS)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(server.tokenizer.encode(plain_template(messages)))
+    assert r.usage.completion_tokens == 8
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, stream=True, **GREEDY,
+                                                 extra_body=NOEOS, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 8
+    # seeded sampling is reproducible
+    a, b = (client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=1.0, top_p=0.9,
+                                           seed=7).choices[0].message.content for _ in range(2))
+    assert a == b
+
+
+def test_stop_strings(server, client):
+    prompt = "class Foo:"
+    full = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, **GREEDY, extra_body=NOEOS).choices[0].text
+    printable = [i for i in range(4, len(full) - 2) if full[i:i + 2].isprintable() and "\ufffd" not in full[i:i + 2]]
+    if not printable:
+        pytest.skip(f"greedy text has no printable 2-char window: {full!r}")
+    stop = full[printable[0]:printable[0] + 2]
+    want = full[: full.find(stop)]
+    for stops in (stop, [stop, "\u2603never"]):
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, stop=stops, **GREEDY, extra_body=NOEOS)
+        assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=24, stop=stops, stream=True,
+                                                **GREEDY, extra_body=NOEOS))
+        assert "".join(c.choices[0].text for c in chunks) == want
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+# -- concurrency -----------------------------------------------------------------------------------
+
+N_CONCURRENT = 64
+
+
+def test_concurrent_streams_match_solo_runs(server, client):
+    prompts = [f"x = {i} * {i % 7} + foo(bar{i})" for i in range(N_CONCURRENT)]
+    max_tokens = [6 + i % 7 for i in range(N_CONCURRENT)]
+    solo = [client.completions.create(model="tiny", prompt=p, max_tokens=m, **GREEDY, extra_body=NOEOS).choices[0].text
+            for p, m in zip(prompts, max_tokens)]
+
+    async def run_all():
+        async with openai.AsyncOpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0, timeout=120,
+                                      http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=N_CONCURRENT + 4),
+                                                                    trust_env=False, timeout=120)) as ac:
+            async def one(p, m):
+                s = await ac.completions.create(model="tiny", prompt=p, max_tokens=m, stream=True, **GREEDY,
+                                                extra_body=NOEOS, stream_options={"include_usage": True})
+                text, usage, finish = "", None, None
+                async for c in s:
+                    if c.choices:
+                        text += c.choices[0].text
+                        finish = c.choices[0].finish_reason or finish
+                    if c.usage:
+                        usage = c.usage
+                return text, usage.completion_tokens, finish
+
+            return await asyncio.wait_for(asyncio.gather(*(one(p, m) for p, m in zip(prompts, max_tokens))), 90)
+
+    before = _metrics(server)
+    out = asyncio.run(run_all())
+    assert [o[0] for o in out] == solo
+    assert [o[1] for o in out] == max_tokens and all(o[2] == "length" for o in out)
+    _wait_idle(server)
+    after = _metrics(server)
+    gen = ("dspark:generation_tokens_total", ())
+    assert after[gen] - before[gen] == sum(max_tokens)
+
+
+# -- cancellation ----------------------------------------------------------------------------------
+
+def test_client_disconnect_frees_slot_and_pages(server):
+    _wait_idle(server)
+    key = ("dspark:requests_total", (("finish_reason", "abort"),))
+    aborted0 = _metrics(server).get(key, 0)
+    body = {"prompt": "while True:", "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(trust_env=False, timeout=30) as c:
+        for _ in range(2):  # twice, to be sure the slot is reusable
+            with c.stream("POST", server.base + "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                got = 0
+                lines = resp.iter_lines()  # kept: breaking out of a bare resp.iter_lines() closes the response
+                for line in lines:
+                    got += line.startswith("data: {")
+                    if got >= 2:
+                        break
+                mid = _get(server, "/server_info").json()["internal_states"][0]
+                assert mid["kv_used_pages"] > 0 and mid["num_running_reqs"] == 1
+            # leaving the block closes the connection mid-stream
+            info = _wait_idle(server)
+            assert info["memory_usage"]["kv_used_pages"] == 0
+    # non-streaming: a client that times out is aborted too
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.base + "/v1/completions", json={**body, "stream": False}, timeout=0.3, trust_env=False)
+    _wait_idle(server)
+    assert _metrics(server)[key] - aborted0 == 3
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+BAD = [
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 4', 400, None),  # malformed JSON
+    ("/v1/completions", b'{"prompt": "\xff\xfe hi"}', 400, None),  # invalid UTF-8
+    ("/v1/completions", b'[1, 2]', 400, None),  # not an object
+    ("/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 404, "model"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "10"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi " * 3000}, 400, "prompt"),  # longer than the context
+    ("/v1/completions", {"prompt": [1, 2, 10**7]}, 400, None),  # token id outside the vocabulary
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("/generate", {"sampling_params": {}}, 400, "text"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 0}}, 400, "max_new_tokens"),
+    ("/generate", {"text": "hi", "sampling_params": []}, 400, "sampling_params"),
+    ("/v1/nothing", {"prompt": "hi"}, 404, None),
+]
+
+
+def test_bad_inputs_get_4xx_and_server_carries_on(server, client):
+    errs0 = sum(v for (n, _), v in _metrics(server).items() if n == "dspark:http_errors_total")
+    with httpx.Client(trust_env=False, timeout=30) as c:
+        # a long request keeps running while the bad ones arrive
+        with c.stream("POST", server.base + "/v1/completions",
+                      json={"prompt": "for i in", "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}) as long:
+            for path, body, status, param in BAD:
+                kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+                r = c.post(server.base + path, headers={"content-type": "application/json"}, **kw)
+                assert r.status_code == status, (path, body, r.text)
+                err = r.json()["error"]
+                assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+                if param:
+                    assert err["param"] == param, (body, err)
+                assert c.get(server.base + "/health").status_code == 200
+            chunks = [json.loads(line[6:]) for line in long.iter_lines() if line.startswith("data: {")]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi", max_tokens=2)
+    r = client.completions.create(model="tiny", prompt="hi", max_tokens=3, **GREEDY, extra_body=NOEOS)
+    assert r.usage.completion_tokens == 3
+    errs1 = sum(v for (n, _), v in _metrics(server).items() if n == "dspark:http_errors_total")
+    assert errs1 - errs0 == len(BAD) + 2
+
+
+# -- metrics ---------------------------------------------------------------------------------------
+
+def test_metrics_parse_and_move(server, client):
+    before = _metrics(server)
+    for name in ("dspark:num_running_reqs", "dspark:num_queue_reqs", "dspark:kv_pool_usage", "dspark:gen_throughput",
+                 "dspark:step_time_seconds_count", "dspark:prompt_tokens_total", "dspark:generation_tokens_total"):
+        assert (name, ()) in before, name
+    client.completions.create(model="tiny", prompt="import os", max_tokens=5, **GREEDY, extra_body=NOEOS)
+    _wait_idle(server)
+    after = _metrics(server)
+    key = ("dspark:requests_total", (("finish_reason", "length"),))
+    assert after[key] == before.get(key, 0) + 1
+    assert after[("dspark:generation_tokens_total", ())] - before[("dspark:generation_tokens_total", ())] == 5
+    assert after[("dspark:prompt_tokens_total", ())] - before[("dspark:prompt_tokens_total", ())] == len(server.tokenizer.encode("import os"))
+    assert after[("dspark:step_time_seconds_count", ())] > before[("dspark:step_time_seconds_count", ())]
+    assert after[("dspark:kv_pool_usage", ())] == 0.0
+
+
+# -- units -----------------------------------------------------------------------------------------
+
+def test_text_deltas_hold_back_stop_prefixes():
+    from serving.app import TextDeltas
+
+    d = TextDeltas(["END"])
+    assert d.update("abc") == "abc"
+    assert d.update("abcE") == ""  # might become "END"
+    assert d.update("abcEN") == ""
+    assert d.update("abcENx") == "ENx"
+    assert d.final("abcENx") == ""
+    d = TextDeltas(["END"])
+    assert d.update("abE") == "ab"
+    assert d.final("ab") == ""  # the engine cut "END..."
+
+
+def test_chat_template_rendering():
+    from serving.chat import ChatTemplateError, plain_template, render_chat
+
+    msgs = [{"role": "user", "content": "hi"}]
+    assert render_chat(msgs, None) == plain_template(msgs) == "user: hi\nassistant:"
+    tpl = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    assert render_chat(msgs, tpl) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(ChatTemplateError):
+        render_chat(msgs, "{{ raise_exception('no system role') }}")
+
+
+# -- launch CLI + SIGTERM --------------------------------------------------------------------------
+
+def test_launch_cli_and_graceful_sigterm(model_dir, tmp_path):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    # DSPARK without a drafter is a clear start-up error
+    bad = subprocess.run([sys.executable, "-m", "serving.launch", "--model-path", str(model_dir), "--speculative-algorithm", "DSPARK"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "drafter" in bad.stderr
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "serving.launch", "--model-path", str(model_dir), "--port", str(port),
+                             "--max-running-requests", "4", "--max-model-len", "512", "--max-total-tokens", "2048",
+                             "--shutdown-timeout", "1", "--log-level", "warning", "--no-precompile"],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 90
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()
+            try:
+                if httpx.get(base + "/health", timeout=1, trust_env=False).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "server did not become healthy"
+            time.sleep(0.2)
+        assert httpx.get(base + "/server_info", trust_env=False).json()["memory_usage"]["token_capacity"] == 2048
+        body = {"prompt": "x", "max_tokens": 500, "temperature": 0, "ignore_eos": True, "stream": True}
+        finish = None
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30, trust_env=False) as resp:
+            lines = resp.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    break
+            proc.send_signal(signal.SIGTERM)
+            for line in lines:
+                if line.startswith("data: {"):
+                    finish = json.loads(line[6:])["choices"][0]["finish_reason"] or finish
+        assert finish in ("length", "abort")  # finished in time, or ended with a clear reason
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+# -- speculative (DSpark) server -------------------------------------------------------------------
+
+def test_speculative_server_reports_spec_stats(tmp_path_factory):
+    from dspark_jax.checkpoint import load_model
+    from dspark_jax.engine import Engine, EngineConfig
+    from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
+    from dspark_jax.sampling import SamplingParams
+    from dspark_jax.tiny_model import write_tiny_model
+    from dspark_jax.tokenizer import Tokenizer
+    from serving.app import ServerConfig, create_app
+    from tests.test_speculative_engine import repeat_biased_drafter
+
+    d = write_tiny_model(tmp_path_factory.mktemp("spec-srv") / "m", vocab_size=300, max_position_embeddings=512)
+    _, target = load_model(d)
+    # Lazy compilation: only the shapes this test touches (keeps the cold-cache time down).
+    ec = EngineConfig(max_running_requests=4, max_prefill_tokens=64, max_model_len=256, page_size=8, precompile=False)
+    engine = SpeculativeEngine(target, Tokenizer.from_folder(d), repeat_biased_drafter(target), ec,
+                               SpeculativeConfig(mode="cap-accept"))
+    ids = [5, 17, 42, 9, 77]
+    want = Engine.from_pretrained(d, ec).generate(ids, SamplingParams(
+        max_new_tokens=24, ignore_eos=True))[0].token_ids
+    app = create_app(engine, ServerConfig(model_name="m", speculative_algorithm="DSPARK", verify_mode="cap-accept",
+                                          block_size=engine.gamma))
+    with serve_in_thread(app) as base:
+        g = httpx.post(base + "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 24, "temperature": 0,
+                       "ignore_eos": True}}, timeout=60, trust_env=False).json()
+        assert g["output_ids"] == want  # lossless at temperature 0
+        mi = g["meta_info"]
+        assert mi["spec_verify_ct"] >= 1 and mi["completion_tokens"] == 24
+        assert sum(mi["spec_accept_lens"]) + 1 >= 24 and mi["spec_accept_length"] >= 1
+        assert mi["spec_block_accept_length"] >= mi["spec_accept_length"] - 1e-9
+        with openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0) as c:
+            r = c.completions.create(model="m", prompt=ids, max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True, "return_spec_tokens_details": True})
+        assert r.model_extra["sglext"]["spec_tokens_details"]["spec_verify_ct"] == mi["spec_verify_ct"]
+        fams = {f.name: f for f in text_string_to_metric_families(httpx.get(base + "/metrics", trust_env=False).text)}
+        assert [s.value for s in fams["dspark:spec_accept_length"].samples][0] >= 1
+        assert [s.value for s in fams["dspark:spec_verify_calls"].samples if s.name.endswith("_total")][0] >= 2 * mi["spec_verify_ct"] - 1
+        info = httpx.get(base + "/server_info", trust_env=False).json()
+        assert info["internal_states"][0]["avg_spec_accept_length"] >= 1
+
+
+# -- load generator --------------------------------------------------------------------------------
+
+def test_load_generator_smoke(server, tmp_path, capsys):
+    from benchmarks.load_generator import check_loopback, main
+
+    out = tmp_path / "load.json"
+    rc = main(["--base-url", server.base, "--num-requests", "12", "--concurrency", "6", "--max-tokens", "8",
+               "--duration", "30", "--grace", "30", "--out", str(out)])
+    rep = json.loads(out.read_text())
+    assert rc == 0 and rep["requests_ok"] == 12 and rep["output_tokens"] == 12 * 8
+    assert rep["ttft_ms"]["p50"] > 0 and rep["itl_ms"]["p90"] >= rep["itl_ms"]["p50"] > 0
+    assert "ttft_ms" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        check_loopback("http://example.com:30000")
