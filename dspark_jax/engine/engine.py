@@ -104,9 +104,13 @@ class Engine:
         if "bytes_limit" not in stats:
             return want
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        per_page = kv_bytes_per_token(self.config, model.dtype) * self.ec.page_size
+        per_page = (kv_bytes_per_token(self.config, model.dtype) + self._extra_kv_bytes_per_token(model)) * self.ec.page_size
         fit = int(free * self.ec.kv_memory_fraction) // per_page
         return max(2, min(want, fit))
+
+    def _extra_kv_bytes_per_token(self, model) -> int:
+        """KV bytes per token beyond the target's (a drafter's own cache, sharing page ids)."""
+        return 0
 
     def all_buckets(self) -> list[tuple[int, int, int]]:
         decode = [(b, b, b) for b in self.decode_buckets]

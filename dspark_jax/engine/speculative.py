@@ -62,11 +62,11 @@ class SpeculativeEngine(Engine):
     def __init__(self, model: Qwen3ForCausalLM, tokenizer: Tokenizer | None, drafter: DSparkDrafter,
                  config: EngineConfig | None = None, spec: SpeculativeConfig | None = None):
         ec = dataclasses.replace(config or EngineConfig(), precompile=False)  # no plain decode buckets
+        self.drafter = drafter  # before sizing the page pool: the draft cache shares its pages
         super().__init__(model, tokenizer, ec)
         self.spec = spec or SpeculativeConfig()
         if self.spec.mode not in MODES:
             raise ValueError(f"verify mode must be one of {MODES}, got {self.spec.mode!r}")
-        self.drafter = drafter
         dcfg = drafter.config
         self.gamma = G = dcfg.block_size
         self.lookahead = G + 1
@@ -115,6 +115,10 @@ class SpeculativeEngine(Engine):
         # Online calibration of the confidence head, where labels are uncensored (full-block verify).
         self.confidence_metrics = ConfidenceMetricsAccumulator(G) if self.spec.mode != "compact" else None
         self.compile_seconds = self._compile_all() if (config or EngineConfig()).precompile else 0.0
+
+    def _extra_kv_bytes_per_token(self, model) -> int:
+        d = self.drafter.config
+        return 2 * d.num_layers * d.num_key_value_heads * d.head_dim * jnp.dtype(model.dtype).itemsize
 
     @classmethod
     def from_pretrained(cls, path, draft_path, config: EngineConfig | None = None,
