@@ -23,14 +23,13 @@ import json
 import shutil
 from pathlib import Path
 
-import jax
 
 from dspark_jax.checkpoint import save_model
 from dspark_jax.config import Qwen3Config
-from training.pretrain.checkpoint import RunCheckpoints, best_dir, restore_params
+from training.pretrain.checkpoint import restore_run_params
 from training.pretrain.config import TrainConfig
-from training.pretrain.loop import BEST_FILE, METRICS_FILE, RUN_FILE, TOKENIZER_FILE
-from training.pretrain.step import abstract_params, make_optimizer, params_to_model
+from training.pretrain.loop import METRICS_FILE, RUN_FILE, TOKENIZER_FILE
+from training.pretrain.step import abstract_params, params_to_model
 from training.tokenizer import SPECIAL_TOKENS, special_token_ids
 
 
@@ -40,19 +39,9 @@ def load_run_params(run_dir: Path | str, *, step: int | None = None, best: bool 
     record = json.loads((run_dir / RUN_FILE).read_text())
     cfg = Qwen3Config.from_hf_dict(record["model_config"])
     abstract = abstract_params(cfg)
-    if best:
-        if not (best_dir(run_dir)).is_dir():
-            raise FileNotFoundError(f"{run_dir}: no best/ params (the run never validated)")
-        best_step = json.loads((run_dir / BEST_FILE).read_text())["step"]
-        return cfg, restore_params(best_dir(run_dir), abstract), {"source": "best", "step": best_step}
-    ckpts = RunCheckpoints(run_dir)
-    step = ckpts.latest_step() if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"{run_dir}: no checkpoints")
-    tx, _ = make_optimizer(TrainConfig.from_json(record["train_config"]))
-    params, _, _ = ckpts.restore(step, abstract, jax.eval_shape(tx.init, abstract))
-    ckpts.close()
-    return cfg, params, {"source": "checkpoint", "step": step}
+    params, origin = restore_run_params(run_dir, abstract, TrainConfig.from_json(record["train_config"]),
+                                        step=step, best=best)
+    return cfg, params, {"source": origin["source"], "step": origin["step"]}
 
 
 def write_tokenizer_files(out: Path, tokenizer_json: Path, max_length: int) -> None:

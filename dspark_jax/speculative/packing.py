@@ -36,6 +36,16 @@ def topk_verify_lens(survival: jax.Array, budget: jax.Array, live: jax.Array) ->
     return jnp.where(live, 1 + count, 0)
 
 
+def packed_rows(verify_lens: jax.Array, num_tokens: int):
+    """For each row n of a tier buffer: (owning request, offset in its window, real row?)."""
+    S = verify_lens.shape[0]
+    incl = jnp.cumsum(verify_lens).astype(jnp.int32)
+    n = jnp.arange(num_tokens, dtype=jnp.int32)
+    req = jnp.minimum(jnp.searchsorted(incl, n, side="right"), S - 1).astype(jnp.int32)
+    within = n - (incl[req] - verify_lens[req])
+    return req, within, n < incl[-1]
+
+
 def front_pack(
     anchor: jax.Array,
     drafts: jax.Array,
@@ -50,21 +60,16 @@ def front_pack(
     """ForwardBatch of the packed windows: anchor [S], drafts [S, gamma], verify_lens [S] (0 for
     padding requests), start_pos [S] = the anchor's absolute position.  Every row's logits are
     requested (logits_indices = arange(T))."""
-    S = anchor.shape[0]
     T = num_tokens
-    incl = jnp.cumsum(verify_lens).astype(jnp.int32)
-    total = incl[-1]
     n = jnp.arange(T, dtype=jnp.int32)
-    valid = n < total
-    req = jnp.minimum(jnp.searchsorted(incl, n, side="right"), S - 1).astype(jnp.int32)
-    within = n - (incl[req] - verify_lens[req])
+    req, within, valid = packed_rows(verify_lens, T)
     tok_seq = jnp.concatenate([anchor[:, None], drafts], axis=1)  # [S, gamma + 1]
     token = jnp.take_along_axis(tok_seq[req], jnp.clip(within, 0, tok_seq.shape[1] - 1)[:, None], axis=1)[:, 0]
     pos = start_pos[req] + within
     page = jnp.take_along_axis(page_table[req], jnp.clip(pos // page_size, 0, page_table.shape[1] - 1)[:, None], 1)[:, 0]
     slot = page * page_size + pos % page_size
     sentinel = n % page_size  # slots of page 0
-    cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), incl])
+    cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(verify_lens).astype(jnp.int32)])
     return ForwardBatch(
         input_ids=jnp.where(valid, token, 0).astype(jnp.int32),
         positions=jnp.where(valid, pos, 0).astype(jnp.int32),

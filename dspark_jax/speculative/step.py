@@ -30,7 +30,7 @@ from dspark_jax.forward_batch import ForwardBatch
 from dspark_jax.kv_cache import KVCache
 from dspark_jax.sampling import sample
 from dspark_jax.speculative.acceptance import verify
-from dspark_jax.speculative.packing import front_pack, topk_verify_lens, unpack_rows
+from dspark_jax.speculative.packing import front_pack, packed_rows, topk_verify_lens, unpack_rows
 
 MODES = ("static", "compact", "cap-accept")
 
@@ -113,12 +113,9 @@ def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCa
                  _keys(inp.seed, inp.start, 2), commit_cap=window if mode == "cap-accept" else None)
 
     # 5. Rows anchor..a of each request become draft context (their target hidden states).
-    incl = jnp.cumsum(verify_lens)
-    n = jnp.arange(num_tokens)
-    req = jnp.minimum(jnp.searchsorted(incl, n, side="right"), S - 1)
-    within = n - (incl[req] - verify_lens[req])
-    keep = (n < incl[-1]) & (within <= acc.num_accepted[req])
-    ctx_slots = jnp.where(keep, fb.slot_mapping, n % page_size)
+    req, within, valid = packed_rows(verify_lens, num_tokens)
+    keep = valid & (within <= acc.num_accepted[req])
+    ctx_slots = jnp.where(keep, fb.slot_mapping, jnp.arange(num_tokens) % page_size)
     dcache = drafter.extend_context(dcache, out.taps, fb.positions, ctx_slots)
     res = SpecOutputs(bs.tokens, acc.num_accepted, acc.bonus, verify_lens, acc.block_accept, survival, bs.confidence)
     return res, out.cache, dcache

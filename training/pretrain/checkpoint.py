@@ -48,6 +48,9 @@ class RunCheckpoints:
         self.manager.close()
 
 
+BEST_INFO_FILE = "best.json"  # what the training loops write beside best/ (its step and metrics)
+
+
 def best_dir(run_dir: Path | str) -> Path:
     return Path(run_dir).absolute() / "best"
 
@@ -65,3 +68,29 @@ def restore_params(path: Path | str, abstract_params, sharding=None):
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), abstract_params)
     with ocp.StandardCheckpointer() as ckptr:
         return ckptr.restore(Path(path).absolute(), abstract_params)
+
+
+def restore_run_params(run_dir: Path | str, abstract_params, train_config, *, step: int | None = None,
+                       best: bool = False) -> tuple[object, dict]:
+    """(params, origin) from a run's best/ params or one of its checkpoints (default: the latest).
+
+    ``train_config`` rebuilds the optimizer whose state shape the checkpoint restore needs;
+    origin says where the params came from ({"source": "best", **best.json} or checkpoint step)."""
+    import json
+
+    from training.pretrain.step import make_optimizer
+
+    run_dir = Path(run_dir)
+    if best:
+        if not best_dir(run_dir).is_dir():
+            raise FileNotFoundError(f"{run_dir}: no best/ params (the run never evaluated)")
+        info = json.loads((run_dir / BEST_INFO_FILE).read_text())
+        return restore_params(best_dir(run_dir), abstract_params), {"source": "best", **info}
+    ckpts = RunCheckpoints(run_dir)
+    step = ckpts.latest_step() if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"{run_dir}: no checkpoints")
+    tx, _ = make_optimizer(train_config)
+    params, _, _ = ckpts.restore(step, abstract_params, jax.eval_shape(tx.init, abstract_params))
+    ckpts.close()
+    return params, {"source": "checkpoint", "step": step}
