@@ -2,8 +2,11 @@
 
     python -m dspark_jax.generate --model-path DIR --prompt "Hello" --max-new-tokens 32 --json
 
+    python -m dspark_jax.generate --prompt "Hello" --speculative mtp --draft-model-path MTP_DIR --mtp-steps 3
+
 With --json, one JSON object per prompt is printed on its own line, in prompt order, holding
-token_ids (generated ids only), text, finish_reason and timing stats.
+token_ids (generated ids only), text, finish_reason and timing stats; with --speculative (dspark
+or mtp) the stats carry the same per-request "spec" block (verify_ct, accept lengths, windows).
 """
 
 from __future__ import annotations
@@ -41,9 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference"])
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
-    ap.add_argument("--speculative", default="none", choices=["none", "dspark"],
-                    help="speculative decoding algorithm (the MTP arm is not wired into the engine yet)")
-    ap.add_argument("--draft-model-path", default=None, help="DSpark drafter folder")
+    ap.add_argument("--no-precompile", action="store_true", help="compile shape buckets on first use instead of at start-up")
+    ap.add_argument("--speculative", default="none", choices=["none", "dspark", "mtp"],
+                    help="speculative decoding: dspark (block drafter) or mtp (EAGLE-style chain drafter, the baseline)")
+    ap.add_argument("--draft-model-path", default=None,
+                    help="drafter folder: the DSpark drafter for dspark, the MTP drafter (save_mtp) for mtp "
+                         "(default with the embedded model: its embedded drafter of that kind)")
+    ap.add_argument("--mtp-steps", type=int, default=None,
+                    help="MTP chain length k (SGLang 3-1-4 is k = 3: 3 drafts, 4 verify tokens); "
+                         "default: the drafter folder's speculative.json, else 3")
     ap.add_argument("--verify-mode", default="static", choices=["static", "compact", "cap-accept"])
     ap.add_argument("--block-size", type=int, default=None, help="must equal the drafter's trained block size")
     ap.add_argument("--sps-table-path", default=None, help="additive step-cost table JSON (none: verify everything)")
@@ -87,9 +96,14 @@ def main(argv=None) -> int:
             max_model_len=args.max_model_len,
             attention_backend=args.attention_backend,
             dtype=args.dtype,
+            precompile=not args.no_precompile,
         )
+        if args.mtp_steps is not None and args.speculative != "mtp":
+            raise ValueError("--mtp-steps needs --speculative mtp")
         if args.speculative == "dspark":
             engine = _speculative_engine(args, model_path, ec)
+        elif args.speculative == "mtp":
+            engine = _mtp_engine(args, model_path, ec)
         else:
             engine = Engine.from_pretrained(model_path, ec)
         results = engine.generate(prompts, params)
@@ -120,9 +134,11 @@ def _speculative_engine(args, model_path, ec):
     if draft is None:
         from dspark_jax.default_model import default_drafter_path
 
-        draft = default_drafter_path()
+        # The embedded drafter belongs to the embedded target only.
+        draft = default_drafter_path() if args.model_path is None else None
         if draft is None:
-            raise CheckpointError("--speculative dspark needs --draft-model-path (no embedded drafter is shipped yet)")
+            raise CheckpointError("--speculative dspark needs --draft-model-path (the embedded drafter only "
+                                  "serves the embedded default model)")
     spec = SpeculativeConfig(
         mode=args.verify_mode,
         sts=StsCalibration.load(args.sts_path) if args.sts_path else None,
@@ -130,6 +146,26 @@ def _speculative_engine(args, model_path, ec):
         record_sts_dir=args.record_sts_dir,
     )
     return SpeculativeEngine.from_pretrained(model_path, draft, ec, spec, block_size=args.block_size)
+
+
+def _mtp_engine(args, model_path, ec):
+    from dspark_jax.engine.mtp_engine import MTPEngine
+    from dspark_jax.errors import CheckpointError
+
+    draft = args.draft_model_path
+    if draft is None:
+        from dspark_jax.default_model import default_mtp_path
+
+        draft = default_mtp_path() if args.model_path is None else None
+        if draft is None:
+            raise CheckpointError("--speculative mtp needs --draft-model-path, an MTP drafter folder (the embedded "
+                                  "one only serves the embedded default model)")
+    dspark_only = [f for f, v in (("--verify-mode", args.verify_mode != "static"), ("--block-size", args.block_size),
+                                  ("--sps-table-path", args.sps_table_path), ("--sts-path", args.sts_path),
+                                  ("--record-sts-dir", args.record_sts_dir)) if v]
+    if dspark_only:
+        raise ValueError(f"{', '.join(dspark_only)}: DSpark options, not used by --speculative mtp")
+    return MTPEngine.from_pretrained(model_path, draft, ec, num_steps=args.mtp_steps)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ DSpark drafter when one is shipped (dspark_jax/default_model.py), else non-specu
     python -m serving.launch --model-path ./qwen3 --port 30000
     python -m serving.launch --model-path ./qwen3 --draft-model-path ./dspark \\
         --speculative-algorithm DSPARK --verify-mode compact --sps-table-path sps.json
+    python -m serving.launch --model-path ./qwen3 --draft-model-path ./mtp \\
+        --speculative-algorithm MTP --mtp-steps 3          # the EAGLE 3-1-4 baseline arm
 
 SIGTERM / Ctrl-C: stop accepting connections, let in-flight requests run for up to
 --shutdown-timeout seconds, then end the rest with finish_reason "abort".
@@ -28,10 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", help="Hugging Face Qwen3 folder (default: the embedded default model)")
     ap.add_argument("--served-model-name", help="name clients pass as 'model' (default: the folder name)")
-    ap.add_argument("--draft-model-path", help="DSpark drafter folder (default: the embedded drafter of the default model, if shipped)")
-    ap.add_argument("--speculative-algorithm", choices=["NONE", "DSPARK"], default=None,
-                    help="DSPARK: speculative decoding with the drafter; NONE: plain decoding. Default: DSPARK when a "
-                         "drafter is available, else NONE. (MTP is not wired into the engine yet, so it is not offered.)")
+    ap.add_argument("--draft-model-path", help="drafter folder: a DSpark drafter, or an MTP drafter for --speculative-algorithm "
+                                               "MTP (default with the embedded model: its embedded drafter of that kind)")
+    ap.add_argument("--speculative-algorithm", choices=["NONE", "DSPARK", "MTP"], default=None,
+                    help="DSPARK: DSpark block drafting; MTP: the EAGLE-style chain drafter (the baseline arm); "
+                         "NONE: plain decoding. Default: the kind of --draft-model-path when given, DSPARK for the "
+                         "embedded model with its embedded drafter, else NONE.")
+    ap.add_argument("--mtp-steps", type=int, help="MTP chain length k (SGLang 3-1-4 is k = 3); default: the drafter "
+                                                  "folder's speculative.json, else 3")
     ap.add_argument("--verify-mode", choices=["static", "compact", "cap-accept"], default="static",
                     help="DSpark verify mode (SGLANG_RAGGED_VERIFY_MODE)")
     ap.add_argument("--block-size", type=int, help="DSpark block size; must equal the drafter's trained block size")
@@ -52,21 +58,45 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve(args, ap) -> dict:
     """Fill defaults (model, drafter, algorithm); exit with a clear message on an impossible combination."""
-    from dspark_jax.default_model import default_drafter_path, default_model_path
+    from dspark_jax.default_model import default_drafter_path, default_model_path, default_mtp_path
 
     using_default = args.model_path is None
     model_path = Path(args.model_path) if args.model_path else default_model_path()
     draft = args.draft_model_path or (default_drafter_path() if using_default else None)
-    algo = args.speculative_algorithm or ("DSPARK" if draft else "NONE")
+    algo = args.speculative_algorithm or (("MTP" if _is_mtp_folder(draft) else "DSPARK") if draft else "NONE")
     if algo == "DSPARK" and draft is None:
         ap.error("--speculative-algorithm DSPARK needs a drafter: pass --draft-model-path "
                  "(no DSpark drafter is shipped for the default model yet)")
+    if algo == "MTP":
+        draft = args.draft_model_path or (default_mtp_path() if using_default else None)
+        if draft is None:
+            ap.error("--speculative-algorithm MTP needs --draft-model-path, an MTP drafter folder "
+                     "(the embedded one only serves the embedded default model)")
+        dspark_only = [f for f, v in (("--verify-mode", args.verify_mode != "static"), ("--block-size", args.block_size),
+                                      ("--sps-table-path", args.sps_table_path), ("--sts-path", args.sts_path)) if v]
+        if dspark_only:
+            ap.error(f"{', '.join(dspark_only)}: DSpark options, not used by --speculative-algorithm MTP")
+    elif args.mtp_steps is not None:
+        ap.error("--mtp-steps needs --speculative-algorithm MTP")
     if algo == "NONE":
         if args.draft_model_path:
             ap.error("--draft-model-path given with --speculative-algorithm NONE")
-        if using_default:
+        draft = None
+        if using_default and default_drafter_path() is None:
             log.info("no DSpark drafter is shipped for the embedded default model yet: serving it non-speculatively")
     return {"model_path": model_path, "draft": Path(draft) if draft else None, "algo": algo}
+
+
+def _is_mtp_folder(folder) -> bool:
+    """A folder written by dspark_jax.mtp.save_mtp (config.json with model_type dspark_mtp)."""
+    import json
+
+    from dspark_jax.mtp.model import MODEL_TYPE
+
+    try:
+        return json.loads((Path(folder) / "config.json").read_text()).get("model_type") == MODEL_TYPE
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def build_engine(args, r: dict):
@@ -80,6 +110,10 @@ def build_engine(args, r: dict):
                       precompile=not args.no_precompile)
     if r["algo"] == "NONE":
         return Engine.from_pretrained(r["model_path"], ec)
+    if r["algo"] == "MTP":
+        from dspark_jax.engine.mtp_engine import MTPEngine
+
+        return MTPEngine.from_pretrained(r["model_path"], r["draft"], ec, num_steps=args.mtp_steps)
     from dspark_jax.calibration.sts import StsCalibration
     from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
     from dspark_jax.speculative.cost_model import load_cost_table
@@ -119,8 +153,10 @@ def main(argv=None) -> int:
     cfg = ServerConfig(
         model_name=args.served_model_name or r["model_path"].name, model_path=str(r["model_path"]),
         draft_model_path=str(r["draft"]) if r["draft"] else None, speculative_algorithm=r["algo"],
-        verify_mode=args.verify_mode if r["algo"] != "NONE" else None,
+        verify_mode=args.verify_mode if r["algo"] == "DSPARK" else None,
         block_size=getattr(engine, "gamma", None), shutdown_timeout=args.shutdown_timeout,
+        extra={"speculative_num_steps": engine.num_steps, "speculative_num_draft_tokens": engine.num_steps + 1}
+        if r["algo"] == "MTP" else {},
     )
     app = create_app(engine, cfg)
     server = make_server(app, host=args.host, port=args.port, log_level=args.log_level,

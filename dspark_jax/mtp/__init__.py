@@ -9,7 +9,9 @@ from dspark_jax.mtp.model import (
     mtp_state_dict,
     save_mtp,
     spec_config,
+    stored_num_steps,
 )
 
 __all__ = ["ChainDraft", "MTPConfig", "MTPDrafter", "allocate_mtp_cache", "build_draft_batch", "draft_chain",
-           "draft_keys", "load_mtp", "mtp_state_dict", "save_mtp", "spec_config"]
+           "draft_keys", "load_mtp", "mtp_state_dict", "save_mtp", "spec_config",
+           "stored_num_steps"]

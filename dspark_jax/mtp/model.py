@@ -144,6 +144,7 @@ def spec_config(notation: str) -> int:
 # ---------------------------------------------------------------- save / load
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+SPEC_FILE = "speculative.json"  # optional: {"num_steps": k}, the chain length the drafter is meant for
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -159,8 +160,9 @@ def mtp_state_dict(model: MTPDrafter) -> dict:
     return _flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
-def save_mtp(folder: str | Path, model: MTPDrafter, *, dtype: str | None = None) -> Path:
-    """Write config.json + model.safetensors (MTP params only: never the target's embedding/head)."""
+def save_mtp(folder: str | Path, model: MTPDrafter, *, dtype: str | None = None, num_steps: int | None = None) -> Path:
+    """Write config.json + model.safetensors (MTP params only: never the target's embedding/head),
+    and with `num_steps` the default chain length in speculative.json."""
     import ml_dtypes
     import numpy as np
     from safetensors.numpy import save_file
@@ -171,7 +173,25 @@ def save_mtp(folder: str | Path, model: MTPDrafter, *, dtype: str | None = None)
     tensors = {k: np.ascontiguousarray(np.asarray(jax.device_get(v)).astype(out)) for k, v in mtp_state_dict(model).items()}
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": MODEL_TYPE})
     model.config.to_json(folder / CONFIG_FILE)
+    if num_steps is not None:
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        (folder / SPEC_FILE).write_text(json.dumps({"num_steps": int(num_steps)}) + "\n")
     return folder
+
+
+def stored_num_steps(folder: str | Path) -> int | None:
+    """The chain length stored with a drafter (speculative.json), or None when there is none."""
+    path = Path(folder) / SPEC_FILE
+    if not path.exists():
+        return None
+    try:
+        k = json.loads(path.read_text())["num_steps"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e!r}); expected {{\"num_steps\": k}}") from None
+    if not isinstance(k, int) or k < 1:
+        raise CheckpointError(f"{path}: num_steps must be an integer >= 1, got {k!r}")
+    return k
 
 
 def load_mtp(folder: str | Path, *, dtype=jnp.float32, target: Qwen3Config | None = None) -> MTPDrafter:
