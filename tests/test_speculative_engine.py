@@ -109,6 +109,32 @@ def test_compact_and_cap_accept_commit_identical_tokens(pair):
     assert outs["compact"] == outs["cap-accept"]
 
 
+def test_block_accept_estimator_brackets_the_cap_accept_ceiling(pair):
+    """Compact with the estimator commits the same tokens as cap-accept; rows rejected inside their
+    window are exact (lo = hi = accepted + 1), censored rows lie within [w + 1, gamma + 1], and the
+    estimate brackets the exact mean ceiling cap-accept measures on the same rounds."""
+    target, tok, drafter = pair
+    G = drafter.config.block_size
+    prompts = _prompts(target.config.vocab_size, 12, seed=8)
+    params = [SamplingParams(max_new_tokens=40, temperature=0.9, seed=100 + i, ignore_eos=True) for i in range(12)]
+    cap = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC), SpeculativeConfig(mode="cap-accept", cost_table=TABLE))
+    est = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC),
+                            SpeculativeConfig(mode="compact", cost_table=TABLE, estimate_block_accept=True))
+    assert not est.overlap  # its probes depend on the previous round's outcome
+    est.estimator.keep_outcomes = True
+    res_cap, res_est = cap.generate(prompts, params), est.generate(prompts, params)
+    assert [r.token_ids for r in res_cap] == [r.token_ids for r in res_est]
+    outcomes = est.estimator.drain_outcomes()
+    assert outcomes and any(o.reason not in ("untrimmed", "full") for o in outcomes)  # censored rows happened
+    for o in outcomes:
+        assert o.window + 1 <= o.lo <= o.hi <= G + 1 or (o.reason in ("untrimmed", "full") and o.lo == o.hi == o.accepted + 1)
+    summ = est.summary()["ceiling_estimate"]
+    exact = float(np.mean(cap.stats["block_accept_lens"]))
+    assert summ["rows"] > 0 and summ["lo_mean"] <= summ["hi_mean"]
+    assert summ["lo_mean"] - 0.25 <= exact <= summ["hi_mean"] + 0.25, (summ, exact)
+    assert all("ceiling_estimate" in r.stats["spec"] for r in res_est)
+
+
 @pytest.mark.parametrize("mode", ["static", "compact"])
 def test_sampled_speculation_follows_target_distribution(mode):
     """Temperature 1 on a 6-token vocabulary: the joint law of the first three generated tokens

@@ -61,6 +61,7 @@ class Request:
         self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
         self.text = ""
         self.spec_rounds: list[tuple[int, int, int]] = []  # (accept len, window, block accept len) per round
+        self.spec_extra: dict = {}  # engine-specific per-request statistics (e.g. the ceiling estimate)
         self.t_arrival = time.perf_counter()
         self.t_first_token: float | None = None
         self.t_finish: float | None = None
@@ -155,4 +156,5 @@ class Request:
             "window_histogram": np.bincount(win).tolist(),
             "block_accept_length": float(blk.mean()),
             "utilization": float(acc.sum() / blk.sum()) if blk.sum() else None,
+            **self.spec_extra,
         }

@@ -9,6 +9,20 @@ size and the budget K, both host scalars), compiled ahead of time like the plain
 Modes: static (verify the whole block), compact (verify each request's scheduled window, packed:
 the tier, hence the executable, shrinks with the budget), cap-accept (verify the whole block,
 commit as compact would, report the uncensored ceiling).
+
+Overlap (EngineConfig.overlap): while the batch stays the same, round t+1 is dispatched before
+round t is read, fed on device by round t's next anchors and positions; the host reads round t
+(committed tokens and small statistics: the only device-to-host transfer) while the device runs
+round t+1.  Everything round t+1 needs from the host is known without round t: page tables are
+reserved up front, sampling parameters are per request, and the compact budget comes from the
+survival observed `lag` = 2 rounds back, which has been read by then.  A request that finishes in
+round t wasted its share of round t+1, whose output for it is ignored; its K/V writes stay within
+its own reserved pages (the lookahead covers two blocks) and precede, in device order, any reuse
+of those pages.  A change of batch composition reads the in-flight round first.
+
+Block-accept estimator (compact mode, SpeculativeConfig.estimate_block_accept): brackets the
+censored ceiling from later rounds' target log-probs (speculative/block_accept.py).  Its probe
+tokens for round t+1 depend on round t's outcome, so enabling it turns the overlap off.
 """
 
 from __future__ import annotations
@@ -35,7 +49,7 @@ from dspark_jax.models.qwen3 import Qwen3ForCausalLM
 from dspark_jax.sampling import sampling_arrays
 from dspark_jax.speculative.cost_model import AdditiveCostTable
 from dspark_jax.speculative.scheduler import ConfidenceScheduler
-from dspark_jax.speculative.step import MODES, SpecInputs, prefill_step, spec_step
+from dspark_jax.speculative.step import MODES, SpecInputs, SpecOutputs, prefill_step, spec_step
 from dspark_jax.speculative.tiers import TokenTiers
 from dspark_jax.tokenizer import Tokenizer
 
@@ -54,6 +68,20 @@ class SpeculativeConfig:
     # labels would be censored by trimming / the logits already scaled.
     record_sts_dir: str | None = None
     record_shard_rows: int = 4096
+    # compact mode: estimate the uncensored ceiling (temperature-sampling rows only; no overlap)
+    estimate_block_accept: bool = False
+
+
+@dataclasses.dataclass
+class _Round:
+    """A dispatched, unread round: its device outputs and the host facts needed to commit it."""
+    reqs: list
+    out: SpecOutputs
+    slots: np.ndarray
+    generations: np.ndarray
+    step: int
+    predicted_s: float | None
+    dispatched_at: float
 
 
 class SpeculativeEngine(Engine):
@@ -69,7 +97,17 @@ class SpeculativeEngine(Engine):
             raise ValueError(f"verify mode must be one of {MODES}, got {self.spec.mode!r}")
         dcfg = drafter.config
         self.gamma = G = dcfg.block_size
-        self.lookahead = G + 1
+        self.estimator = None
+        if self.spec.estimate_block_accept:
+            if self.spec.mode != "compact":
+                raise ValueError("the block-accept estimator is for compact mode (cap-accept measures the ceiling)")
+            from dspark_jax.speculative.block_accept import BlockAcceptEstimator
+
+            self.estimator = BlockAcceptEstimator(G)
+        self.overlap = self.ec.overlap and self.estimator is None
+        # Positions past the last token a round may write: one block, or two with an overlapped
+        # round in flight (it starts up to G + 1 positions further on).
+        self.lookahead = (2 if self.overlap else 1) * (G + 1)
         sts = self.spec.sts or StsCalibration.identity(G)
         if sts.block_size != G:
             raise ValueError(f"STS file has {sts.block_size} temperatures for block size {G}")
@@ -102,7 +140,11 @@ class SpeculativeEngine(Engine):
                 functools.partial(spec_step, self.target_def, self.drafter_def, mode=mode, page_size=ps, backend=backend),
                 donate_argnums=(2, 3), static_argnames=("num_tokens",))
         self._compiled: dict = {}
-        self._step = 0
+        self._num_probes = self.estimator.max_pending if self.estimator is not None else 0
+        self._step = 0  # rounds dispatched
+        R = self.ec.max_running_requests
+        self._no_feed = (jnp.zeros((R,), jnp.int32), jnp.zeros((R,), jnp.int32))
+        self._last_read_at = 0.0
         self._slot_of: dict[str, int] = {}
         self._slot_gen = np.full(self.ec.max_running_requests, -1, np.int64)
         self._gen_counter = 0
@@ -169,8 +211,10 @@ class SpeculativeEngine(Engine):
         if key not in self._compiled:
             s = jax.ShapeDtypeStruct
             i32 = np.int32
+            R = self.ec.max_running_requests
             inp = SpecInputs(s((S,), i32), s((S,), i32), s((S, self.pages_per_seq), i32), s((S,), np.bool_), s((), i32),
-                             s((), i32), s((S,), np.float32), s((S,), i32), s((S,), np.float32), s((S,), np.uint32))
+                             s((), i32), s((S,), np.float32), s((S,), i32), s((S,), np.float32), s((S,), np.uint32),
+                             s((R,), i32), s((R,), i32), s((), np.bool_), s((S, self.gamma + 1, self._num_probes), i32))
             self._compiled[key] = self._spec_jit[self.spec.mode].lower(
                 self.target_state, self.drafter_state, self._abstract(self.tcache), self._abstract(self.dcache), inp,
                 self._abstract(self.sts_temperatures), num_tokens=T).compile()
@@ -206,13 +250,31 @@ class SpeculativeEngine(Engine):
         self._slot_gen[slot] = self._gen_counter
 
     def _decode(self, reqs):
+        """One speculative round for the running batch (see the module doc for the overlap)."""
+        prev = self._inflight
+        if self.overlap and prev is not None and prev.reqs == reqs:
+            self._inflight = self._dispatch_round(reqs, prev)
+            return self._read(prev)
+        events = self._drain()
+        reqs = [r for r in reqs if r.status is not Status.FINISHED]
+        if reqs:
+            self._inflight = self._dispatch_round(reqs, None)
+            if not self.overlap:
+                events += self._drain()
+        return events
+
+    def _dispatch_round(self, reqs, prev: _Round | None) -> _Round:
+        """Dispatch a round; prev: the in-flight round of the same batch, whose device outputs feed
+        the anchors and positions (None: the host's committed state does)."""
         G, bs = self.gamma, len(reqs)
         slots = np.array([self._slot_of[r.id] for r in reqs])
+        generations = self._slot_gen[slots].copy()
+        step, self._step = self._step, self._step + 1
         predicted = None
         if self.spec.mode == "static":
             K = bs * G
         else:
-            lagged = self.scheduler_conf.lagged(self._step, self._slot_gen[slots], slots=slots)
+            lagged = self.scheduler_conf.lagged(step, generations, slots=slots)
             decision = self.scheduler_conf.decide_budget(lagged.survival, lagged.fresh)
             K, predicted = decision.budget, decision.predicted_step_seconds
         T = self.tiers.tier_for(bs, K) if self.spec.mode == "compact" else self.tiers.round_up(bs * (G + 1))
@@ -225,30 +287,57 @@ class SpeculativeEngine(Engine):
         for i, r in enumerate(reqs):
             table[i] = self.pool.page_table_row(r.id, P)
         temp, top_k, top_p, seed, _ = sampling_arrays([r.params for r in reqs], [r.seed for r in reqs], [0] * bs, S)
-        inp = SpecInputs(pad([r.output_ids[-1] for r in reqs], np.int32), pad([r.total_len - 1 for r in reqs], np.int32),
-                         table, live, np.int32(bs), np.int32(K), temp, top_k, top_p, seed)
+        if prev is None:
+            anchor = pad([r.output_ids[-1] for r in reqs], np.int32)
+            start = pad([r.total_len - 1 for r in reqs], np.int32)
+            fed = self._no_feed
+        else:
+            anchor = start = np.zeros(S, np.int32)
+            fed = (prev.out.next_anchor, prev.out.next_start)
+        probes = np.full((S, G + 1, self._num_probes), -1, np.int32)
+        if self.estimator is not None:  # never overlapped: the host state is current
+            probes[:bs] = self.estimator.probe_tokens([r.id for r in reqs], start[:bs], G + 1)
+        inp = SpecInputs(anchor, start, table, live, np.int32(bs), np.int32(K), temp, top_k, top_p, seed, *fed,
+                         np.bool_(prev is not None), probes)
         fn = self._compiled_spec(T, S)
         t0 = time.perf_counter()
         out, self.tcache, self.dcache = fn(self.target_state, self.drafter_state, self.tcache, self.dcache, inp,
                                            self.sts_temperatures)
-        out = jax.device_get(out)  # the one host read per round: committed tokens and small stats
-        if predicted is not None:  # predicted vs measured step time, for checking the cost table
-            self.stats["predicted_step_s"].append(predicted)
-            self.stats["measured_step_s"].append(time.perf_counter() - t0)
+        for x in jax.tree.leaves((out[:7], out.estimate)):  # what _read needs; the fed arrays stay on device
+            x.copy_to_host_async()
+        return _Round(reqs, out, slots, generations, step, predicted, t0)
+
+    def _read(self, rnd: _Round):
+        """Read a dispatched round (the one host sync per round) and commit its tokens."""
+        G, bs = self.gamma, len(rnd.reqs)
+        out = SpecOutputs(*jax.device_get(tuple(rnd.out[:7])), None, None, jax.device_get(rnd.out.estimate))
+        now = time.perf_counter()
+        if rnd.predicted_s is not None:  # predicted vs measured step time, for checking the cost table
+            # The device ran this round from its dispatch or the previous round's end, whichever
+            # came later (an overlapped round queues behind the one being read).
+            self.stats["predicted_step_s"].append(rnd.predicted_s)
+            self.stats["measured_step_s"].append(now - max(rnd.dispatched_at, self._last_read_at))
+        self._last_read_at = now
+        # Rows of requests that finished in an earlier round ran past their end: keep them out of
+        # the calibration data (the scheduler's lag ring drops them by slot generation).
+        alive = np.array([r.status is not Status.FINISHED for r in rnd.reqs])
         if self.confidence_metrics is not None:
             labels = np.arange(G)[None, :] < out.block_accept[:bs, None]
-            self.confidence_metrics.update(out.survival[:bs], labels)
+            self.confidence_metrics.update(out.survival[:bs][alive], labels[alive])
         if self.spec.mode != "static":
-            self.scheduler_conf.observe(self._step, out.survival[:bs], self._slot_gen[slots], slots=slots)
+            self.scheduler_conf.observe(rnd.step, out.survival[:bs], rnd.generations, slots=rnd.slots)
         if self._recorder is not None:
-            self._recorder.add(out.confidence_logits[:bs], out.block_accept[:bs])
-        self._step += 1
-        events = []
+            self._recorder.add(out.confidence_logits[:bs][alive], out.block_accept[:bs][alive])
+        events, starts, commits = [], [], []
         self.stats["rounds"] += 1
-        for i, r in enumerate(reqs):
+        for i, r in enumerate(rnd.reqs):
+            if r.status is Status.FINISHED:
+                continue  # finished (or aborted) in an earlier round: this round was speculative work
             a = int(out.num_accepted[i])
             start = r.total_len - 1
             committed = r.append_tokens(list(out.drafts[i, :a]) + [int(out.bonus[i])])
+            starts.append(start)
+            commits.append(committed)
             r.num_cached = start + a + 1
             r.spec_rounds.append((a + 1, int(out.verify_lens[i]), int(out.block_accept[i]) + 1))
             self.stats["accept_lens"].append(a + 1)
@@ -258,7 +347,22 @@ class SpeculativeEngine(Engine):
             events.append((r, committed))
             if r.status is Status.FINISHED:
                 self._slot_of.pop(r.id, None)
+        if self.estimator is not None:
+            self._update_estimator(rnd.reqs, out, starts, commits)
         return events
+
+    def _update_estimator(self, reqs, out: SpecOutputs, starts, commits) -> None:
+        """Fold a (never overlapped, so every row is live) round into the block-accept estimator."""
+        bs, est = len(reqs), out.estimate
+        eligible = [r.params.temperature > 0 and (r.params.top_k or 0) <= 0 and (r.params.top_p or 1.0) >= 1.0
+                    for r in reqs]
+        self.estimator.update([r.id for r in reqs], starts, out.verify_lens[:bs] - 1, out.num_accepted[:bs],
+                              out.drafts[:bs], est.draft_logq[:bs], est.probe_logp[:bs], est.next_draft_logp[:bs],
+                              commits, eligible)
+        for r in reqs:
+            if r.status is Status.FINISHED:
+                reason = {"stop": "eos", "length": "length"}.get(r.finish_reason, "abort")
+                r.spec_extra["ceiling_estimate"] = self.estimator.finish(r.id, reason)
 
     def flush_records(self):
         """Write any buffered STS calibration rows to a shard (no-op when not recording)."""
@@ -279,8 +383,12 @@ class SpeculativeEngine(Engine):
                                 "median_relative_error": float(np.median(np.abs(pred - meas) / meas))}
         if self.confidence_metrics is not None and acc.size:
             out["confidence"] = self.confidence_metrics.summary()
+        if self.estimator is not None:
+            out["ceiling_estimate"] = self.estimator.summary()
         return out
 
     def abort(self, request_id: str) -> None:
         super().abort(request_id)
         self._slot_of.pop(request_id, None)
+        if self.estimator is not None:
+            self.estimator.finish(request_id, "abort")

@@ -15,6 +15,11 @@ the host.
 
 Random keys are derived per request from (seed, anchor position), so outputs do not depend on
 batch composition.
+
+Overlap: a round also returns each request's next anchor and position (padded to the engine's
+slot count R, so every tier's executable shares one shape), and takes the previous round's as
+`fed_anchor` / `fed_start` with `use_fed` set.  The engine dispatches round t+1 on those device
+arrays before it reads round t, so the host never waits between rounds.
 """
 
 from __future__ import annotations
@@ -46,6 +51,10 @@ class SpecInputs(NamedTuple):
     top_k: jax.Array  # [S]
     top_p: jax.Array  # [S]
     seed: jax.Array  # [S] uint32
+    fed_anchor: jax.Array  # [R] int32 the previous round's next_anchor (used when use_fed)
+    fed_start: jax.Array  # [R] int32 the previous round's next_start
+    use_fed: jax.Array  # [] bool: take anchor/start from the fed arrays (rows 0..S-1) instead
+    probes: jax.Array  # [S, gamma+1, P] int32 block-accept estimator probe tokens (-1: none; P = 0 when off)
 
 
 class SpecOutputs(NamedTuple):
@@ -56,6 +65,17 @@ class SpecOutputs(NamedTuple):
     block_accept: jax.Array  # [S] drafts full verification would accept (exact in static/cap-accept)
     survival: jax.Array  # [S, gamma] calibrated cumulative survival (for the lag ring and metrics)
     confidence_logits: jax.Array  # [S, gamma] raw z (STS data collection)
+    next_anchor: jax.Array  # [R] the bonus token: the next round's anchor (0 past the live rows)
+    next_start: jax.Array  # [R] its position: start + accepted + 1
+    estimate: "EstimatorLogProbs | None"  # block-accept estimator inputs (compact mode, when enabled)
+
+
+class EstimatorLogProbs(NamedTuple):
+    """What the host-side block-accept estimator needs from a round (speculative/block_accept.py),
+    all under the tempered (temperature-scaled) distributions."""
+    draft_logq: jax.Array  # [S, gamma] log q of each draft under the corrected draft distribution
+    next_draft_logp: jax.Array  # [S] target log p of d_{w+1} at the last verified row (NaN if w == gamma)
+    probe_logp: jax.Array  # [S, gamma+1, P] target log p of the probe tokens, row by row
 
 
 def _keys(seed, position, stream: int):
@@ -83,12 +103,29 @@ def block_batch(inp: SpecInputs, gamma: int, mask_token: int, page_size: int) ->
     )
 
 
+def estimator_log_probs(draft_logits, drafts, target_logits, verify_lens, probes, temperature) -> EstimatorLogProbs:
+    """Gather the block-accept estimator's log-probabilities on device (V never leaves it)."""
+    t = jnp.maximum(temperature, 1e-6)[:, None, None]
+    logq = jax.nn.log_softmax(draft_logits.astype(jnp.float32) / t, axis=-1)
+    draft_logq = jnp.take_along_axis(logq, drafts[..., None], axis=-1)[..., 0]
+    logp = jax.nn.log_softmax(target_logits.astype(jnp.float32) / t, axis=-1)  # [S, G+1, V]
+    G = drafts.shape[1]
+    w = jnp.clip(verify_lens - 1, 0, G)  # verified drafts; row w scores position start + w + 1
+    nxt = jnp.take_along_axis(drafts, jnp.minimum(w, G - 1)[:, None], axis=1)[:, 0]
+    row_w = jnp.take_along_axis(logp, w[:, None, None], axis=1)[:, 0]  # [S, V]
+    next_logp = jnp.where(w < G, jnp.take_along_axis(row_w, nxt[:, None], axis=1)[:, 0], jnp.nan)
+    probe_logp = jnp.take_along_axis(logp, jnp.maximum(probes, 0), axis=-1)
+    return EstimatorLogProbs(draft_logq, next_logp, jnp.where(probes >= 0, probe_logp, jnp.nan))
+
+
 def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCache, dcache: KVCache,
               inp: SpecInputs, sts_temperatures, *, mode: str, num_tokens: int, page_size: int, backend: str):
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state)
     cfg = drafter.config
     G, S = cfg.block_size, inp.anchor.shape[0]
+    inp = inp._replace(anchor=jnp.where(inp.use_fed, inp.fed_anchor[:S], inp.anchor),
+                       start=jnp.where(inp.use_fed, inp.fed_start[:S], inp.start))
 
     # 1. Draft.
     blk = block_batch(inp, G, cfg.mask_token_id, page_size)
@@ -117,7 +154,11 @@ def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCa
     keep = valid & (within <= acc.num_accepted[req])
     ctx_slots = jnp.where(keep, fb.slot_mapping, jnp.arange(num_tokens) % page_size)
     dcache = drafter.extend_context(dcache, out.taps, fb.positions, ctx_slots)
-    res = SpecOutputs(bs.tokens, acc.num_accepted, acc.bonus, verify_lens, acc.block_accept, survival, bs.confidence)
+    pad = lambda x: jnp.zeros(inp.fed_anchor.shape, jnp.int32).at[:S].set(jnp.where(inp.live, x, 0).astype(jnp.int32))
+    est = (estimator_log_probs(bs.logits, bs.tokens, logits, verify_lens, inp.probes, inp.temperature)
+           if inp.probes.shape[-1] else None)
+    res = SpecOutputs(bs.tokens, acc.num_accepted, acc.bonus, verify_lens, acc.block_accept, survival, bs.confidence,
+                      pad(acc.bonus), pad(inp.start + acc.num_accepted + 1), est)
     return res, out.cache, dcache
 
 
