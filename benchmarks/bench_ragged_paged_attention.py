@@ -18,6 +18,22 @@ Results: <out>/ragged_paged_attention_h200.json and .md.
 
 Run on the GPU machine:  PYTHONPATH=. python3 benchmarks/bench_ragged_paged_attention.py \
     --out $OUT --git-commit <sha>
+
+Ratio mode (``--ratio``, runs alone, ~3 minutes on the H200): verify (q_len 4 and 8) against
+decode (q_len 1) at batch 1/4/8/16 and context 2k/8k/32k on a 48 GiB K+V page pool (each of K
+and V past 4 GiB, so Pallas uses int64 offsets, as a real cache does), for every kernel arm in
+``RATIO_ARMS`` (decode knobs, verify knobs).  First every arm is checked against the jnp
+reference on a ragged batch from the same pool (causal and causal=False, split and unsplit,
+NaN sentinel page and NaN padding rows); then in every timed cell the first call's output of
+each arm is compared with the base arm's (and the base arm with the reference where that fits
+in memory) before the arm is timed.  A mismatch stops the run with exit code 2 and the status
+in the results.  Results: PREFIX.json and PREFIX.md (``--ratio-out``, default
+<out>/ragged_paged_attention_h200_ratio).  ``--smoke`` runs the same code on CPU in interpret
+mode with tiny sizes:
+
+    PYTHONPATH=. python3 benchmarks/bench_ragged_paged_attention.py --ratio --out $OUT \
+        --git-commit <sha>
+    PYTHONPATH=. python benchmarks/bench_ragged_paged_attention.py --smoke --out /tmp/smoke
 """
 
 from __future__ import annotations
@@ -514,6 +530,434 @@ def write_results(out_dir, meta, rows, tune_log, check_ok):
     log("\n".join(lines))
 
 
+# --------------------------------------------------------------------------- ratio mode
+#
+# Verify (q_len 4 / 8) against decode (q_len 1) at the same context, batch <= 16, on a page
+# pool large enough that every K/V array passes 4 GiB (the Pallas Triton lowering switches to
+# int64 offsets there), for several kernel "arms".  An arm is a policy: the knobs used for
+# decode and the knobs used for verify (kernel.py: ADDRESSING / PROLOGUES / PAGE_LOOKUPS and
+# the tile parameters).  ``split_target_waves`` goes to block_config; everything else is passed
+# to the kernel explicitly, so the launch geometry of every timing is recorded in the JSON.
+
+RATIO_ARMS = {
+    "base": (
+        {}, {},
+        "kernel defaults: decode bn128/w4/s3, verify (32-row tile) bn128/w8/s2"),
+    "w4s3": (
+        {}, {"num_warps": 4, "num_stages": 3},
+        "verify with the decode tile parameters (4 warps, 3 stages)"),
+    "flat_vec": (
+        {"addressing": "flat", "prologue": "vector"},
+        {"addressing": "flat", "prologue": "vector", "num_warps": 4, "num_stages": 3},
+        "int32 row addressing of a [rows, D] view + vector prologue; verify w4/s3"),
+    "carry": (
+        {"page_lookup": "carry", "num_warps": 4, "num_stages": 2},
+        {"page_lookup": "carry", "num_warps": 8, "num_stages": 2},
+        "page ids of tile j+1 loaded in iteration j; decode w4/s2, verify w8/s2"),
+    "carry_s3": (
+        {"page_lookup": "carry", "num_warps": 4, "num_stages": 3},
+        {"page_lookup": "carry", "num_warps": 8, "num_stages": 3},
+        "carried page ids + 3 stages (two K/V tiles in flight per program)"),
+    "carry_bn64": (
+        {"page_lookup": "carry", "block_n": 64, "num_warps": 4, "num_stages": 3},
+        {"page_lookup": "carry", "block_n": 64, "num_warps": 4, "num_stages": 3},
+        "carried page ids, 64-token KV tiles, w4/s3 for both"),
+    "carry_bn64_s4": (
+        {"page_lookup": "carry", "block_n": 64, "num_warps": 4, "num_stages": 3},
+        {"page_lookup": "carry", "block_n": 64, "num_warps": 4, "num_stages": 4},
+        "as carry_bn64, verify with 4 stages (three 64-token K/V tiles buffered)"),
+    "bq4": (
+        {}, {"block_q": 4, "num_warps": 4, "num_stages": 3},
+        "verify split into 16-row (4-token) q blocks with the decode tile; K/V read twice"),
+    "waves2": (
+        {}, {"split_target_waves": 2.0},
+        "verify splits the KV range for 2 waves of programs instead of 4 (longer programs)"),
+    "combo": (
+        {"addressing": "flat", "prologue": "vector", "page_lookup": "carry", "block_n": 64,
+         "num_warps": 4, "num_stages": 3},
+        {"addressing": "flat", "prologue": "vector", "page_lookup": "carry", "block_n": 64,
+         "num_warps": 4, "num_stages": 3},
+        "flat + vector + carry, 64-token tiles, w4/s3 for both"),
+}
+_CFG_KNOBS = ("block_q", "block_n", "num_warps", "num_stages", "addressing", "prologue",
+              "page_lookup")
+
+
+class NumericalMismatch(RuntimeError):
+    pass
+
+
+def arm_config(arm, q_len, batch, ctx, page_size):
+    """(BlockConfig, explicit kernel kwargs) of one arm for one uniform cell."""
+    dec, ver, _ = RATIO_ARMS[arm]
+    knobs = dict(dec if q_len == 1 else ver)
+    waves = knobs.pop("split_target_waves", 4.0)
+    P = -(-ctx // page_size)
+    cfg = block_config(batch * q_len, batch, P, page_size, HQ, HKV, D, jnp.bfloat16,
+                       split_target_waves=waves, **knobs)
+    kw = {k: getattr(cfg, k) for k in _CFG_KNOBS}
+    kw["num_splits"] = cfg.num_splits
+    return cfg, kw
+
+
+def _cfg_dict(cfg):
+    return {k: getattr(cfg, k) for k in ("block_q", "block_m", "block_n", "num_warps",
+                                         "num_stages", "num_splits", "addressing", "prologue",
+                                         "page_lookup")}
+
+
+def _compare(name, out, want, tol, pad_from=None):
+    out = np.asarray(jnp.asarray(out, jnp.float32))
+    want = np.asarray(jnp.asarray(want, jnp.float32))
+    finite = bool(np.isfinite(out).all())
+    err = float(np.max(np.abs(out - want))) if finite else float("inf")
+    pad_ok = True if pad_from is None else bool((out[pad_from:] == 0).all())
+    if not (finite and err <= tol and pad_ok):
+        raise NumericalMismatch(f"{name}: finite={finite} max_abs_err={err:.3e} (tol {tol:.0e}) "
+                                f"pad_rows_zero={pad_ok}")
+    return err
+
+
+def ratio_check(pool, rng, arms, poison_page):
+    """Every arm's decode and verify knobs vs the reference on a ragged batch drawn from the
+    large pool (pages in its upper half, so offsets pass 2**32 bytes), causal and non-causal,
+    unsplit and split; unused page-table entries point at a NaN page, padding q rows are NaN."""
+    log("== ratio check: arms vs reference on the large pool (causal and causal=False)")
+    ps = pool.page_size
+    q_lens = [1, 8, 4, 8, 1, 19, 8, 2]
+    kv_lens = [int(q) + int(rng.integers(0, 700)) for q in q_lens]
+    kv_lens[0], kv_lens[3] = 1, 8
+    if INTERPRET:
+        q_lens, kv_lens = [1, 8, 4, 3], [1, 40, 300, 9]  # 300: several KV tiles
+    S, ns = len(q_lens) + 2, len(q_lens)
+    need = [-(-k // ps) for k in kv_lens]
+    P = max(need) + 2
+    lo = pool.num_pages // 2
+    pages = rng.choice(np.arange(lo, poison_page), size=sum(need), replace=False)
+    table = np.full((S, P), poison_page, np.int32)
+    o = 0
+    for s, n in enumerate(need):
+        table[s, :n] = pages[o:o + n]
+        o += n
+    cu = np.zeros(S + 1, np.int32)
+    cu[1:ns + 1] = np.cumsum(q_lens)
+    cu[ns + 1:] = cu[ns]
+    rows = int(cu[ns])
+    T = rows + 5
+    q = np.asarray(rng.standard_normal((T, HQ, D)), np.float32)
+    q[rows:] = np.nan
+    kvl = np.zeros(S, np.int32)
+    kvl[:ns] = kv_lens
+    args = (jnp.asarray(q, jnp.bfloat16), pool.k, pool.v, jnp.asarray(kvl), jnp.asarray(table),
+            jnp.asarray(cu), jnp.int32(ns))
+    scale = 1.0 / math.sqrt(D)
+    ref_fn = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale", "causal"))
+    with jax.default_matmul_precision("highest"):
+        refs = {c: ref_fn(*args, sm_scale=scale, causal=c) for c in (True, False)}
+    jobs = {}
+    for arm in arms:
+        dec, ver, _ = RATIO_ARMS[arm]
+        for role, knobs in (("decode", dec), ("verify", ver)):
+            knobs = {k: v for k, v in knobs.items() if k != "split_target_waves"}
+            for causal, splits in ((True, None), (True, 1), (False, 4)):
+                kw = dict(knobs, causal=causal)
+                if splits:
+                    kw["num_splits"] = splits
+                key = tuple(sorted(kw.items()))
+                if key not in jobs:
+                    jobs[key] = (f"{arm}/{role} causal={causal} splits={splits or 'auto'}", kw)
+
+    def compile_one(kw):
+        try:
+            f = functools.partial(ragged_paged_attention, sm_scale=scale, interpret=INTERPRET,
+                                  **kw)
+            return jax.jit(f).lower(*args).compile()
+        except Exception as e:  # a configuration Triton rejects: not a wrong result
+            return e
+
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max(1, min(12, os.cpu_count() or 2))) as ex:
+        exes = list(ex.map(compile_one, [kw for _, kw in jobs.values()]))
+    res = {}
+    for (name, kw), exe in zip(jobs.values(), exes):
+        if isinstance(exe, Exception):
+            log(f"  COMPILE-FAIL {name}: {type(exe).__name__}: {str(exe)[:300]}")
+            res[name] = f"compile failed: {type(exe).__name__}"
+            continue
+        err = _compare(name, exe(*args), refs[kw["causal"]], 2e-2, pad_from=rows)
+        res[name] = err
+        log(f"  PASS {name:55s} max_abs_err={err:.2e}")
+    return res
+
+
+def _ratio_cells(args):
+    order_b = [b for b in (4, 16, 1, 8) if b in args.ratio_batches]
+    order_b += [b for b in args.ratio_batches if b not in order_b]
+    order_c = [c for c in (8192, 32768, 2048) if c in args.ratio_contexts]
+    order_c += [c for c in args.ratio_contexts if c not in order_c]
+    return [(b, c) for c in order_c for b in order_b]
+
+
+def _ratio_inputs(pool, rng, batch, ctx, poison_page):
+    ps = pool.page_size
+    P = -(-ctx // ps)
+    pages = rng.choice(np.arange(1, poison_page), size=batch * P, replace=False)
+    table = jnp.asarray(pages.reshape(batch, P).astype(np.int32))
+    kvl = jnp.full((batch,), ctx, jnp.int32)
+    return table, kvl
+
+
+def _build_chain(kw, n):
+    fn = kernel_fn(kw)
+
+    def chain(q0, *r):
+        x1 = fn(q0, *r)
+        x = x1
+        for _ in range(n - 1):
+            x = fn(x, *r)
+        return x1, x
+
+    return chain
+
+
+def run_ratio(args):
+    from concurrent.futures import ThreadPoolExecutor
+
+    t0 = time.time()
+    deadline = t0 + args.deadline
+    dev = jax.devices()[0]
+    log(f"device {dev.device_kind} ({dev.platform}), jax {jax.__version__}, "
+        f"{getattr(dev, 'core_count', '?')} SMs; ratio mode")
+    arms = [a.strip() for a in args.arms.split(",")] if args.arms else list(RATIO_ARMS)
+    bad = [a for a in arms if a not in RATIO_ARMS]
+    if bad:
+        raise SystemExit(f"unknown arms {bad}; known: {list(RATIO_ARMS)}")
+    if "base" not in arms:
+        arms = ["base"] + arms
+    rng = np.random.default_rng(0)
+    bw = measure_copy_bw()
+    log(f"copy bandwidth (read+write): {bw / 1e12:.2f} TB/s")
+    ps = args.page_size
+    page_bytes = 2 * ps * HKV * D * 2  # K + V
+    cells = _ratio_cells(args)
+    need = max(b * c for b, c in cells) // ps + 2
+    # at least enough for the largest cell, and for the check (upper half of the pool)
+    num_pages = max(int(args.pool_gib * 2**30 // page_bytes), need + 2, 256)
+    t1 = time.time()
+    pool = Pool(num_pages, ps, jax.random.PRNGKey(1))
+    poison_page = num_pages - 1  # NaN page: unused table entries of the check point at it
+    nan_page = jax.jit(lambda a: a.at[poison_page].set(jnp.nan), donate_argnums=0)
+    pool.k = nan_page(pool.k)
+    pool.v = nan_page(pool.v)
+    k_bytes = pool.k.nbytes
+    log(f"page pool: {num_pages} pages, {2 * k_bytes / 2**30:.1f} GiB K+V "
+        f"({'int64' if k_bytes > 2**32 else 'int32'} Pallas offsets), {time.time() - t1:.0f}s")
+    if not INTERPRET:
+        gpu_warmup()
+    meta = dict(
+        mode="ratio", device=dev.device_kind, jax_version=jax.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        git_commit=args.git_commit, copy_bw_tb_s=bw / 1e12, page_size=ps,
+        heads=dict(q=HQ, kv=HKV, head_dim=D, dtype="bfloat16"),
+        pool=dict(pages=num_pages, kv_gib=2 * k_bytes / 2**30,
+                  offsets="int64" if k_bytes > 2**32 else "int32"),
+        arms={a: dict(decode=RATIO_ARMS[a][0], verify=RATIO_ARMS[a][1],
+                      what=RATIO_ARMS[a][2]) for a in arms},
+        timing=f"median over {args.reps} repetitions of (chain of n calls in one jit) / n",
+        interpret=INTERPRET,
+    )
+    rows, check = [], {}
+    status = "complete"
+    try:
+        check = ratio_check(pool, rng, arms, poison_page)
+        log(f"ratio check done ({time.time() - t0:.0f}s)")
+        workers = max(1, min(12, (os.cpu_count() or 2)))
+        for b, c in cells:
+            if time.time() > deadline:
+                status = f"deadline: stopped before b{b} ctx{c}"
+                log(status)
+                break
+            table, kvl = _ratio_inputs(pool, rng, b, c, poison_page)
+            rest = (pool.k, pool.v, kvl, table)
+            jobs = {}  # (q_len, cfg) -> (kw, [arms])
+            for ql in args.ratio_qlens:
+                for arm in arms:
+                    cfg, kw = arm_config(arm, ql, b, c, ps)
+                    jobs.setdefault((ql, cfg), (kw, []))[1].append(arm)
+            q_in = {ql: jax.random.normal(jax.random.PRNGKey(b * 7919 + c + ql),
+                                          (b * ql, HQ, D), jnp.bfloat16)
+                    for ql in args.ratio_qlens}
+            cu = {ql: jnp.asarray(np.arange(b + 1, dtype=np.int32) * ql)
+                  for ql in args.ratio_qlens}
+            n = 1 if INTERPRET else n_iters(kv_bytes(b, c, 1) / bw)
+
+            def compile_one(item):
+                (ql, _), (kw, _) = item
+                try:
+                    return jax.jit(_build_chain(kw, n)).lower(
+                        q_in[ql], *rest, cu[ql], jnp.int32(b)).compile()
+                except Exception as e:  # a configuration Triton rejects
+                    return e
+
+            tc = time.time()
+            with ThreadPoolExecutor(workers) as ex:
+                exes = list(ex.map(compile_one, jobs.items()))
+            tc = time.time() - tc
+            base_x1 = {}
+            # base first (per q_len), so every other arm is compared against it
+            items = sorted(zip(jobs.items(), exes), key=lambda it: "base" not in it[0][1][1])
+            for ((ql, cfg), (kw, arm_names)), exe in items:
+                row = dict(batch=b, context=c, q_len=ql, arms=arm_names, config=_cfg_dict(cfg),
+                           kv_bytes=kv_bytes(b, c, ql),
+                           floor_us=kv_bytes(b, c, ql) / bw * 1e6, chain=n)
+                if isinstance(exe, Exception):
+                    row["error"] = f"{type(exe).__name__}: {str(exe)[:300]}"
+                    log(f"  COMPILE-FAIL b{b} ctx{c} q{ql} {arm_names}: {row['error']}")
+                    rows.append(row)
+                    continue
+                call_args = (q_in[ql], *rest, cu[ql], jnp.int32(b))
+                x1, _ = exe(*call_args)  # warm-up; x1 is one plain call's output
+                x1.block_until_ready()
+                label = f"b{b} ctx{c} q{ql} {'/'.join(arm_names)}"
+                if "base" in arm_names:
+                    base_x1[ql] = x1
+                    tmp, _ = ref_cost(b, c, ql)
+                    if tmp <= args.ratio_ref_max_bytes:
+                        with jax.default_matmul_precision("highest"):
+                            ref = jax.jit(ref_fn)(*call_args)
+                        row["err_vs_ref"] = _compare(f"{label} vs reference", x1, ref, 2e-2)
+                elif ql in base_x1:
+                    row["err_vs_base"] = _compare(f"{label} vs base", x1, base_x1[ql], 2e-2)
+                else:  # nothing to check it against: do not time it
+                    row["error"] = "base arm failed to compile: result unchecked, not timed"
+                    rows.append(row)
+                    continue
+                ts = []
+                for _ in range(args.reps):
+                    t_s = time.perf_counter()
+                    out = exe(*call_args)
+                    out[1].block_until_ready()
+                    ts.append((time.perf_counter() - t_s) / n)
+                t = statistics.median(ts)
+                row.update(us=t * 1e6, pct_bw=100 * row["floor_us"] / (t * 1e6))
+                rows.append(row)
+            got = {(r["q_len"], a): r.get("us") for r in rows
+                   if r["batch"] == b and r["context"] == c for a in r["arms"]}
+            log(f"  b{b:<3d} ctx{c:<6d} compile {tc:4.1f}s | " + " ".join(
+                f"{a}:" + "/".join(f"{got.get((ql, a)) or float('nan'):.0f}"
+                                   for ql in args.ratio_qlens) for a in arms)
+                + f"  (us for q_len {'/'.join(map(str, args.ratio_qlens))})")
+    except NumericalMismatch as e:
+        status = f"NUMERICAL MISMATCH: {e}"
+        log("!" * 80 + f"\n{status}\n" + "!" * 80)
+    meta["status"] = status
+    meta["total_s"] = time.time() - t0
+    write_ratio_results(args.ratio_out, meta, check, rows, arms, args.ratio_qlens)
+    log(f"total {time.time() - t0:.0f}s; status: {status}")
+    if status.startswith("NUMERICAL"):
+        sys.exit(2)
+
+
+def _ratio_table(rows, arms):
+    """{(batch, ctx): {arm: {q_len: us}}} plus the config of every timing."""
+    tab = {}
+    for r in rows:
+        if r.get("us") is None:
+            continue
+        for a in r["arms"]:
+            tab.setdefault((r["batch"], r["context"]), {}).setdefault(a, {})[r["q_len"]] = r["us"]
+    return tab
+
+
+def write_ratio_results(prefix, meta, check, rows, arms, qlens):
+    d = os.path.dirname(prefix)
+    if d:
+        os.makedirs(d, exist_ok=True)
+    tab = _ratio_table(rows, arms)
+    summary = {}
+    for a in arms:
+        for ql in [q for q in qlens if q > 1]:
+            own, vs_base = [], []
+            for (b, c), per in tab.items():
+                v = per.get(a, {}).get(ql)
+                if v is None:
+                    continue
+                dec_base = tab[(b, c)].get("base", {}).get(1)
+                dec_own = per.get(a, {}).get(1)
+                if dec_base:
+                    vs_base.append(v / dec_base)
+                if dec_own:
+                    own.append(v / dec_own)
+            if vs_base:
+                summary[f"{a}/q{ql}"] = dict(
+                    max_vs_base_decode=max(vs_base),
+                    geomean_vs_base_decode=math.exp(sum(map(math.log, vs_base)) / len(vs_base)),
+                    max_vs_own_decode=max(own) if own else None,
+                    cells=len(vs_base))
+    with open(prefix + ".json", "w") as f:
+        json.dump({**meta, "check": check, "summary": summary, "cells": rows}, f, indent=1)
+
+    def cell(v):
+        return "-" if v is None else f"{v:.1f}"
+
+    lines = [
+        "# Verify vs decode on the H200: kernel arms",
+        "",
+        f"- {meta['device']}; jax {meta['jax_version']}; {meta['date']}; commit "
+        f"{meta['git_commit']}; status: **{meta['status']}**",
+        f"- Hq {HQ}, Hkv {HKV}, D {D}, bf16, page size {meta['page_size']}; every sequence at "
+        f"the context; pool {meta['pool']['kv_gib']:.1f} GiB K+V ({meta['pool']['offsets']} "
+        f"offsets), pages drawn at random from all of it",
+        f"- floor = (K/V + q/out bytes) / measured copy bandwidth "
+        f"({meta['copy_bw_tb_s']:.2f} TB/s); {meta['timing']}",
+        "- ratio = verify us / decode us at the same batch and context; 'vs base' divides by "
+        "the base arm's decode, 'vs own' by the same arm's decode (what adopting the arm for "
+        "both would give). Goal: q_len 8 <= 1.3x at batch <= 16.",
+        "",
+        "## Arms",
+        "",
+    ]
+    for a in arms:
+        lines.append(f"- **{a}**: {meta['arms'][a]['what']} (decode {meta['arms'][a]['decode']}, "
+                     f"verify {meta['arms'][a]['verify']})")
+    lines += ["", "## Summary (batch <= 16, all contexts measured)", "",
+              "| arm | q_len | max ratio vs base decode | geomean vs base decode | "
+              "max ratio vs own decode | cells |", "|---|---:|---:|---:|---:|---:|"]
+    for k, s in summary.items():
+        a, q = k.split("/q")
+        own = f"{s['max_vs_own_decode']:.2f}" if s["max_vs_own_decode"] else "-"
+        lines.append(f"| {a} | {q} | {s['max_vs_base_decode']:.2f} | "
+                     f"{s['geomean_vs_base_decode']:.2f} | {own} | {s['cells']} |")
+    keys = sorted(tab)
+    for ql in qlens:
+        lines += ["", f"## q_len {ql}: us per call" + ("" if ql == 1 else
+                                                        " (ratio vs base decode)"), "",
+                  "| batch | context | floor us | " + " | ".join(arms) + " |",
+                  "|---:|---:|---:|" + "---:|" * len(arms)]
+        for b, c in keys:
+            per = tab[(b, c)]
+            dec_base = per.get("base", {}).get(1)
+            vals = []
+            for a in arms:
+                v = per.get(a, {}).get(ql)
+                if v is None:
+                    vals.append("-")
+                elif ql == 1 or not dec_base:
+                    vals.append(f"{v:.1f}")
+                else:
+                    vals.append(f"{v:.1f} ({v / dec_base:.2f})")
+            floor = kv_bytes(b, c, ql) / (meta["copy_bw_tb_s"] * 1e12) * 1e6
+            lines.append(f"| {b} | {c} | {floor:.1f} | " + " | ".join(vals) + " |")
+    errs = [r for r in rows if r.get("error")]
+    if errs:
+        lines += ["", "## Configurations that failed to compile", ""]
+        lines += [f"- b{r['batch']} ctx{r['context']} q{r['q_len']} {r['arms']}: {r['error']}"
+                  for r in errs]
+    with open(prefix + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    log("\n".join(lines))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
@@ -541,9 +985,41 @@ def main():
     ap.add_argument("--deadline", type=float, default=540.0,
                     help="seconds after start after which no new bench cell starts")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke test (tiny shapes)")
+    # ---- ratio mode: verify (q_len 4/8) vs decode per kernel arm, on a large page pool
+    ap.add_argument("--ratio", action="store_true",
+                    help="verify-vs-decode study of the kernel arms (RATIO_ARMS); runs alone")
+    ap.add_argument("--ratio-out", default=None,
+                    help="path prefix of the ratio results: writes PREFIX.json and PREFIX.md "
+                         "(default <out>/ragged_paged_attention_h200_ratio)")
+    ap.add_argument("--pool-gib", type=float, default=48.0,
+                    help="ratio mode: K+V page pool size in GiB (> 8 puts each of K and V past "
+                         "4 GiB, where Pallas switches to int64 offsets)")
+    ap.add_argument("--ratio-batches", type=int, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("--ratio-contexts", type=int, nargs="+", default=[2048, 8192, 32768])
+    ap.add_argument("--ratio-qlens", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--arms", default=None,
+                    help="ratio mode: comma-separated subset of RATIO_ARMS (base always runs)")
+    ap.add_argument("--reps", type=int, default=5, help="ratio mode: timed repetitions")
+    ap.add_argument("--ratio-ref-max-bytes", type=float, default=2e9,
+                    help="ratio mode: check the base arm against the jnp reference in cells "
+                         "whose reference temporaries stay under this")
+    ap.add_argument("--ratio-deadline", type=float, default=165.0,
+                    help="ratio mode: seconds after start after which no new cell starts")
+    ap.add_argument("--smoke", action="store_true",
+                    help="ratio mode on CPU in interpret mode with tiny sizes (implies --ratio)")
     args = ap.parse_args()
     global INTERPRET
-    INTERPRET = args.interpret
+    INTERPRET = args.interpret or args.smoke
+    if args.smoke or args.ratio:
+        if args.smoke:
+            args.ratio_batches, args.ratio_contexts = [1, 2], [272]  # 3-5 KV tiles
+            args.pool_gib, args.reps = 0.0, 1
+            args.ratio_deadline = float("inf")  # the smoke test must reach every code path
+        args.deadline = args.ratio_deadline
+        if args.ratio_out is None:
+            args.ratio_out = os.path.join(args.out, "ragged_paged_attention_h200_ratio")
+        run_ratio(args)
+        return
     if not (args.check or args.tune or args.bench):
         args.check = args.tune = args.bench = True
 

@@ -29,6 +29,7 @@ from pallas_kernels.ragged_paged_attention import (
 
 # Jitted once per shape: eager op-by-op dispatch of the reference costs seconds on CPU.
 _reference = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale",))
+_reference_c = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale", "causal"))
 
 
 def _problem(rng, q_lens, kv_lens, *, hq, hkv, d, page_size, dtype, extra_seqs=2, pad_rows=5,
@@ -170,6 +171,89 @@ def test_kernel_matches_reference(case):
     assert np.abs(out - ref).max() <= tol
 
 
+# Knobs of the verify-vs-decode study (kernel.ADDRESSING / PROLOGUES / PAGE_LOOKUPS), alone and
+# combined, with the tiles the H200 benchmark compares.  Mixed decode / verify (q_len 4-8) /
+# prefill rows, ragged kv lengths, split and unsplit KV ranges.
+OPTION_CASES = [
+    # id, dtype, layers, knobs
+    ("flat_f32", np.float32, None, {"addressing": "flat"}),
+    ("flat_bf16_split3", jnp.bfloat16, None, {"addressing": "flat", "num_splits": 3}),
+    ("vector_f32_split2", np.float32, None, {"prologue": "vector", "num_splits": 2}),
+    ("vector_bf16", jnp.bfloat16, None, {"prologue": "vector", "num_splits": 1}),
+    ("carry_f32_split4_bn16", np.float32, None,
+     {"page_lookup": "carry", "num_splits": 4, "block_n": 16}),
+    ("carry_bf16_bn64", jnp.bfloat16, None, {"page_lookup": "carry", "block_n": 64}),
+    ("combo_f32_stacked_split3", np.float32, 3,
+     {"addressing": "flat", "prologue": "vector", "page_lookup": "carry", "num_splits": 3}),
+    ("combo_bf16_stacked_bq4_bn64", jnp.bfloat16, 2,
+     {"addressing": "flat", "prologue": "vector", "page_lookup": "carry", "block_q": 4,
+      "block_n": 64, "num_warps": 4, "num_stages": 3}),
+    ("paged_bf16_stacked_carry", jnp.bfloat16, 2, {"page_lookup": "carry", "num_splits": 2}),
+]
+
+
+def _verify_mix(rng):
+    """Decode, verify and a short prefill chunk, as one engine step packs them."""
+    q_lens = [1, 8, 4, 8, 1, 19, 8]
+    kv_lens = [int(q) + int(rng.integers(0, 260)) for q in q_lens]
+    kv_lens[0] = 1  # a sequence whose only token is the new one
+    kv_lens[3] = 8  # verify rows with no cached prefix
+    return q_lens, kv_lens
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("case", OPTION_CASES, ids=[c[0] for c in OPTION_CASES])
+def test_kernel_options_match_reference(case, causal):
+    name, dtype, layers, knobs = case
+    rng = np.random.default_rng(zlib.crc32(name.encode()) + causal)
+    q_lens, kv_lens = _verify_mix(rng)
+    d = 64
+    p = _problem(rng, q_lens, kv_lens, hq=8, hkv=2, d=d, page_size=16, dtype=dtype,
+                 layers=layers)
+    kw = dict(sm_scale=1.0 / math.sqrt(d), causal=causal)
+    if layers is not None:
+        kw["layer"] = jnp.int32(layers - 1)
+    out = ragged_paged_attention(*_args(p), interpret=True, **kw, **knobs)
+    ref = _reference_c(*_args(p), **kw)
+    out = np.asarray(out.astype(jnp.float32))
+    ref = np.asarray(ref.astype(jnp.float32))
+    assert np.isfinite(ref).all()
+    assert np.isfinite(out).all(), "unwritten or poisoned output rows"
+    assert (out[p["rows"]:] == 0).all(), "tier padding rows must be zeros"
+    tol = 1e-5 if dtype == np.float32 else 2e-2
+    assert np.abs(out - ref).max() <= tol
+
+
+def test_option_validation_and_flat_bound():
+    with pytest.raises(ValueError):
+        block_config(8, 2, 4, 16, 8, 2, 64, jnp.float32, addressing="linear")
+    with pytest.raises(ValueError):
+        block_config(8, 2, 4, 16, 8, 2, 64, jnp.float32, prologue="fast")
+    with pytest.raises(ValueError):
+        block_config(8, 2, 4, 16, 8, 2, 64, jnp.float32, page_lookup="prefetch")
+    cfg = block_config(8, 2, 4, 16, 8, 2, 64, jnp.float32, addressing="flat", prologue="vector",
+                       page_lookup="carry")
+    assert (cfg.addressing, cfg.prologue, cfg.page_lookup) == ("flat", "vector", "carry")
+    sd = jax.ShapeDtypeStruct
+
+    def args(n_pages, layers=()):
+        cache = sd((*layers, n_pages, 16, 8, 128), jnp.bfloat16)
+        return (sd((8, 32, 128), jnp.bfloat16), cache, cache, sd((2,), jnp.int32),
+                sd((2, 4), jnp.int32), sd((3,), jnp.int32), sd((), jnp.int32))
+
+    def f(*a, **kw):
+        return ragged_paged_attention(*a, sm_scale=0.1, addressing="flat", **kw)
+
+    # 2**24 pages * 16 tokens * 8 heads = 2**31 rows: one past int32.
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        jax.eval_shape(f, *args(1 << 24))
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        jax.eval_shape(lambda *a: f(*a, layer=jnp.int32(0)), *args(1 << 21, (8,)))
+    # One row short of the bound is accepted (a 64 GiB K cache at bf16, D = 128).
+    out = jax.eval_shape(f, *args((1 << 24) - 1))
+    assert out.shape == (8, 32, 128)
+
+
 @pytest.mark.parametrize("order", ["per_row", "per_seq"])
 def test_non_causal_mode_matches_brute_force_and_kernel(order):
     """causal=False: each row sees every token of its sequence (DSpark block queries)."""
@@ -254,7 +338,11 @@ def test_block_shapes_static():
             for d in (64, 128):
                 for dtype in (jnp.bfloat16, jnp.float32):
                     for knobs in ({}, {"block_q": 1}, {"block_q": 8, "block_n": 16},
-                                  {"block_n": 128, "num_splits": 4}):
+                                  {"block_n": 128, "num_splits": 4},
+                                  {"block_n": 64, "num_warps": 4, "num_stages": 3,
+                                   "addressing": "flat", "prologue": "vector",
+                                   "page_lookup": "carry"},
+                                  {"block_q": 4, "page_lookup": "carry"}):
                         cfg = block_config(T, S, 64, 16, hq, hkv, d, dtype, **knobs)
                         for name, shape in cfg.tile_shapes().items():
                             assert all(_pow2(x) for x in shape), (name, shape, cfg)
@@ -263,7 +351,7 @@ def test_block_shapes_static():
                         assert cfg.block_m >= cfg.block_q * -(-hq // hkv)
                         assert cfg.num_splits >= 1 and cfg.num_q_blocks >= T // cfg.block_q
                         seen += 1
-    assert seen > 500
+    assert seen > 700
     with pytest.raises(ValueError):
         block_config(8, 2, 4, 16, 8, 2, 64, jnp.float32, block_n=48)
     with pytest.raises(ValueError):
@@ -274,7 +362,10 @@ def test_triton_lowering():
     """The kernel lowers to Triton IR for CUDA (no GPU needed); catches unsupported primitives."""
     sd = jax.ShapeDtypeStruct
     T, S, P, N, ps = 40, 4, 8, 40, 16
-    for layers, knobs in ((None, {"num_splits": 1}), (2, {"num_splits": 4, "block_n": 128})):
+    for layers, knobs in ((None, {"num_splits": 1}), (2, {"num_splits": 4, "block_n": 128}),
+                          (None, {"num_splits": 3, "addressing": "flat", "prologue": "vector",
+                                  "page_lookup": "carry", "block_n": 64}),
+                          (2, {"num_splits": 1, "addressing": "flat", "page_lookup": "carry"})):
         kshape = (N, ps, 8, 128) if layers is None else (layers, N, ps, 8, 128)
         args = (sd((T, 32, 128), jnp.bfloat16), sd(kshape, jnp.bfloat16),
                 sd(kshape, jnp.bfloat16), sd((S,), jnp.int32), sd((S, P), jnp.int32),

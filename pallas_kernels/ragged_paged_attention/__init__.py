@@ -5,6 +5,9 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels.ragged_paged_attention.kernel import (
+    ADDRESSING,
+    PAGE_LOOKUPS,
+    PROLOGUES,
     BlockConfig,
     block_config,
     ragged_paged_attention,
@@ -37,7 +40,8 @@ def ragged_paged_attention_op(
 
     ``backend``: "pallas" (Triton backend; off the GPU it runs in interpret mode unless
     ``interpret`` says otherwise), "reference", or "auto" (pallas on GPU, else reference).
-    ``kernel_kwargs`` (block_q, block_n, num_splits, num_warps, num_stages) go to the kernel.
+    ``kernel_kwargs`` (block_q, block_n, num_splits, num_warps, num_stages, addressing,
+    prologue, page_lookup) go to the kernel.
     """
     if backend == "auto":
         backend = "pallas" if jax.default_backend() == "gpu" else "reference"
@@ -60,7 +64,10 @@ def ragged_paged_attention_op(
 write_kv_pages = write_kv_pages_reference
 
 __all__ = [
+    "ADDRESSING",
     "BACKENDS",
+    "PAGE_LOOKUPS",
+    "PROLOGUES",
     "BlockConfig",
     "block_config",
     "ragged_paged_attention",

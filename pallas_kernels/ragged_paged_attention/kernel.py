@@ -25,6 +25,10 @@ code taken from either):
   KV tiles and writes a normalised partial output plus its log2-sum-exp; a small XLA fusion
   combines the splits.  The automatic default splits only when ``q blocks * Hkv`` programs
   cannot fill the GPU.
+* Static variants for the verify-vs-decode study (``ADDRESSING``, ``PROLOGUES``,
+  ``PAGE_LOOKUPS`` below; benchmarks/bench_ragged_paged_attention.py --ratio compares them):
+  int32 row addressing of a flat [rows, D] view, a one-round metadata prologue, and a
+  hand-pipelined page-table lookup.
 """
 
 from __future__ import annotations
@@ -42,6 +46,46 @@ from jax.experimental.pallas import triton as pltriton
 _LOG2E = math.log2(math.e)
 _NEG = -1e30  # finite "minus infinity" for running maxima and empty log-sum-exps
 _DEFAULT_NUM_SMS = 132  # H200 SXM
+
+
+# How the kernel turns (layer, page, in-page offset, kv head, d) into a K/V address.
+#
+# "paged": index the [(L,) N, page_size, Hkv, D] ref with one index array per dimension.  The
+#     Pallas Triton lowering builds a [block_n, D] offset tensor with one term per dimension, in
+#     int64 as soon as the ref passes 2**32 bytes (jax/_src/pallas/triton/lowering.py,
+#     ``_compute_offsets_from_indices``: ``64 if full_size > 2**32 else 32``).
+# "flat": view the cache as [(L *) N * page_size * Hkv, D] rows (a free reshape of the
+#     contiguous array) and compute the row ``((layer * N + page) * page_size + off) * Hkv + h``
+#     once per kv token, in int32, on the [block_n] vector; the lowering then adds only
+#     ``row * D + d`` per element.  int32 is exact while ``L * N * page_size * Hkv < 2**31`` rows
+#     (e.g. < 512 GiB of bf16 K at D = 128); ``ragged_paged_attention`` checks this statically
+#     and refuses "flat" otherwise.  Past 4 GiB the lowering still widens the final offset to
+#     int64: no Pallas API avoids that, so this mode only narrows the math before it.
+ADDRESSING = ("paged", "flat")
+
+# How a program finds its sequence's metadata.
+#
+# "scalar": vector-load cu_q_lens to find the sequence, then scalar loads of cu_q_lens[seq],
+#     cu_q_lens[seq + 1] and kv_lens[seq]: two dependent rounds of global loads before the first
+#     page-table / K/V load can issue.
+# "vector": load cu_q_lens and kv_lens as vectors together in the first round and select the
+#     program's entries with masked sums: one round of global-load latency less per program,
+#     which matters when flash-decoding splits leave each program only a few KV tiles.
+PROLOGUES = ("scalar", "vector")
+
+# Where the page-table lookup of a KV tile happens.
+#
+# "inline": iteration j loads the page ids of tile j, then its K/V.  Triton's software pipeliner
+#     sees an indirect load (page id -> K/V address); compiled offline with stock Triton 3.6
+#     for sm_90a it keeps one K/V buffer, issues tile j+1's copy only after tile j's dots and
+#     waits for it at the top of the next iteration; with num_stages 2 the page-id load is not
+#     prefetched either.  Re-check against the Triton that jaxlib bundles.
+# "carry": iteration j loads the page ids of tile j + 1 and carries them, so the K/V addresses of
+#     an iteration depend on no load of that iteration (a hand-pipelined page lookup).  Stock
+#     Triton 3.6 then multi-buffers K/V: num_stages 3 keeps the next tile's copy in flight
+#     during the current tile's dots (two 128-token buffers, ~140 KB of shared memory), 4
+#     stages with 64-token tiles three buffers.
+PAGE_LOOKUPS = ("inline", "carry")
 
 
 def _next_pow2(x: int) -> int:
@@ -66,6 +110,12 @@ class BlockConfig:
     num_splits: int
     num_warps: int
     num_stages: int
+    # How K/V addresses are formed (``ADDRESSING``), how a program finds its sequence
+    # (``PROLOGUES``) and where page ids are looked up (``PAGE_LOOKUPS``).  The defaults are
+    # the kernel benchmarks/results/ragged_paged_attention_h200.md was measured with.
+    addressing: str = "paged"
+    prologue: str = "scalar"
+    page_lookup: str = "inline"
 
     def grid(self, num_kv_heads: int) -> tuple[int, int, int]:
         return (self.num_q_blocks, int(num_kv_heads), self.num_splits)
@@ -121,6 +171,9 @@ def block_config(
     split_target_waves: float = 4.0,
     min_tiles_per_split: int = 4,
     max_splits: int = 32,
+    addressing: str = "paged",
+    prologue: str = "scalar",
+    page_lookup: str = "inline",
 ) -> BlockConfig:
     """Pure function of static shapes: the block sizes the kernel uses for this problem.
 
@@ -132,8 +185,27 @@ def block_config(
     benchmarks/results/ragged_paged_attention_h200.md was measured with.  Lead, not yet
     adopted: on a 2 GB pool, 4 warps / 2 stages beat 8 / 2 for 32-row tiles by 3-7%
     (ragged_paged_attention_h200_verify_tile_log.txt); re-check on a > 4 GB pool first.
+
+    Open question (verify at q_len 8 costs 1.4-1.6x decode at batch <= 16 on a 32 GiB pool,
+    1.13-1.19x on a 2 GB one).  Lowering the kernel for CUDA on a CPU machine and compiling
+    the Triton IR with stock Triton 3.6 + ptxas for sm_90a (a stand-in for the Triton that
+    jaxlib bundles, so a lead to re-check on the GPU) gave, for the 32-row verify tile with
+    8 warps / 2 stages: 144 registers per thread with the int64 offsets of a > 4 GiB pool,
+    128 with the int32 offsets of a small one.  At 256 threads, 128 registers fit 2 programs
+    per SM and 144 only 1; the 16-row decode tile (4 warps / 3 stages, 168 registers, 72 KB of
+    shared memory) runs 3 per SM on either pool.  With the "inline" page lookup the pipeliner
+    keeps at most one K/V tile in flight per program, so programs per SM set the bytes in
+    flight, and the short programs of a split KV range cannot hide their start-up latency.
+    ``addressing``, ``prologue`` and ``page_lookup`` (module constants above) are the knobs
+    benchmarks/bench_ragged_paged_attention.py --ratio compares against these defaults.
     """
     T, S, P = int(num_tokens), int(num_seqs_max), int(pages_per_seq)
+    if addressing not in ADDRESSING:
+        raise ValueError(f"addressing must be one of {ADDRESSING}, got {addressing!r}")
+    if prologue not in PROLOGUES:
+        raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
+    if page_lookup not in PAGE_LOOKUPS:
+        raise ValueError(f"page_lookup must be one of {PAGE_LOOKUPS}, got {page_lookup!r}")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"query heads {num_q_heads} not a multiple of kv heads {num_kv_heads}")
     if not _is_pow2(head_dim) or head_dim < 16:
@@ -186,6 +258,9 @@ def block_config(
         num_splits=int(max(1, num_splits)),
         num_warps=int(num_warps),
         num_stages=int(num_stages),
+        addressing=addressing,
+        prologue=prologue,
+        page_lookup=page_lookup,
     )
 
 
@@ -204,6 +279,8 @@ def _kernel(
     num_tokens: int,
     group: int,
     page_size: int,
+    num_kv_heads: int,
+    num_pages: int,
     scale_log2: float,
     stacked: bool,
     precision,
@@ -220,18 +297,28 @@ def _kernel(
     ns = jnp.minimum(num_seqs_ref[0], S)
     ar = lax.iota(i32, cfg.meta_len)
     cu_vec = cu_ref[jnp.minimum(ar, S)]
+    if cfg.prologue == "vector":  # issued with cu_vec: no dependent scalar load below
+        kv_vec = kv_lens_ref[jnp.minimum(ar, S - 1)]
     starts = lax.div(cu_vec, BQ) + ar
     seq = jnp.sum(((ar >= 1) & (ar <= ns) & (starts <= b)).astype(i32))
     is_pad = seq >= ns
-    q_start = cu_ref[seq]
-    q_end = jnp.where(is_pad, T, cu_ref[jnp.minimum(seq + 1, S)])
+    seq_c = jnp.minimum(seq, S - 1)
+    if cfg.prologue == "vector":
+        # cu_vec[i] = cu_q_lens[min(i, S)] and meta_len > S, so entries seq and seq + 1 exist.
+        q_start = jnp.sum(jnp.where(ar == seq, cu_vec, 0))
+        q_end = jnp.where(is_pad, T, jnp.sum(jnp.where(ar == seq + 1, cu_vec, 0)))
+    else:
+        q_start = cu_ref[seq]
+        q_end = jnp.where(is_pad, T, cu_ref[jnp.minimum(seq + 1, S)])
     q_len = q_end - q_start
     row0 = (b - (lax.div(q_start, BQ) + seq)) * BQ  # first local query row of this block
 
     @pl.when(row0 < q_len)
     def _live():
-        seq_c = jnp.minimum(seq, S - 1)
-        kv_len = jnp.where(is_pad, 0, kv_lens_ref[seq_c])
+        if cfg.prologue == "vector":
+            kv_len = jnp.where(is_pad, 0, jnp.sum(jnp.where(ar == seq_c, kv_vec, 0)))
+        else:
+            kv_len = jnp.where(is_pad, 0, kv_lens_ref[seq_c])
         rows_here = jnp.minimum(BQ, q_len - row0)
         if causal:
             kv_end = jnp.maximum(jnp.where(is_pad, 0, kv_len - q_len + row0 + rows_here), 0)
@@ -266,20 +353,33 @@ def _kernel(
 
         layer = layer_ref[0] if stacked else None
         n_idx = lax.iota(i32, BN)
+        if cfg.addressing == "flat":
+            # int32 row arithmetic: exact while L * N * page_size * Hkv < 2**31 (checked by the
+            # wrapper).  Row of (layer, page, off, h) in the [(L*)N*page_size*Hkv, D] view.
+            rows_per_page = page_size * num_kv_heads
+            row_base = h if not stacked else layer * (num_pages * rows_per_page) + h
 
-        def body(j, carry):
-            acc, m_i, l_i = carry
+        def page_ids(j, live):
+            """Page id of each kv token of tile j (0 where masked: never dereferenced)."""
             kpos = j * BN + n_idx
-            kv_ok = kpos < kv_end
-            page = pltriton.load(
-                page_table_ref.at[seq_c, jnp.where(kv_ok, lax.div(kpos, page_size), 0)],
-                mask=kv_ok,
+            ok = (kpos < kv_end) & live
+            return pltriton.load(
+                page_table_ref.at[seq_c, jnp.where(ok, lax.div(kpos, page_size), 0)],
+                mask=ok,
                 other=0,
             )
+
+        def attend(j, page, acc, m_i, l_i):
+            kpos = j * BN + n_idx
+            kv_ok = kpos < kv_end
             off = lax.rem(kpos, page_size)
-            idx = (page[:, None], off[:, None], h, d_idx)
-            if stacked:
-                idx = (layer, *idx)
+            if cfg.addressing == "flat":
+                row = page * rows_per_page + (off * num_kv_heads + row_base)
+                idx = (row[:, None], d_idx)
+            else:
+                idx = (page[:, None], off[:, None], h, d_idx)
+                if stacked:
+                    idx = (layer, *idx)
             kv_mask = kv_ok[:, None]
             k = pltriton.load(k_ref.at[idx], mask=kv_mask, other=0)
             v = pltriton.load(v_ref.at[idx], mask=kv_mask, other=0)
@@ -299,10 +399,26 @@ def _kernel(
             )
             return acc * alpha[:, None] + pv, m_new, l_new
 
+        if cfg.page_lookup == "carry":
+            # Page ids of tile j+1 are loaded in iteration j and carried: the K/V addresses of
+            # an iteration depend on no load of the same iteration.
+            def body(j, carry):
+                acc, m_i, l_i, page = carry
+                page_next = page_ids(j + 1, j + 1 < j1)
+                acc, m_i, l_i = attend(j, page, acc, m_i, l_i)
+                return acc, m_i, l_i, page_next
+        else:
+            def body(j, carry):
+                acc, m_i, l_i = carry
+                return attend(j, page_ids(j, True), acc, m_i, l_i)
+
         acc0 = jnp.zeros((BM, cfg.head_dim), jnp.float32)
         m0 = jnp.full((BM,), _NEG, jnp.float32)
         l0 = jnp.zeros((BM,), jnp.float32)
-        acc, m_i, l_i = lax.fori_loop(j0, j1, body, (acc0, m0, l0))
+        if cfg.page_lookup == "carry":
+            acc, m_i, l_i, _ = lax.fori_loop(j0, j1, body, (acc0, m0, l0, page_ids(j0, j0 < j1)))
+        else:
+            acc, m_i, l_i = lax.fori_loop(j0, j1, body, (acc0, m0, l0))
         out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
         if NS == 1:
             (o_ref,) = out_refs
@@ -327,7 +443,8 @@ def _combine_splits(o_part: jax.Array, lse: jax.Array, dtype) -> jax.Array:
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "sm_scale", "interpret", "block_q", "block_n", "num_splits", "num_warps", "num_stages", "causal",
+        "sm_scale", "interpret", "block_q", "block_n", "num_splits", "num_warps", "num_stages",
+        "causal", "addressing", "prologue", "page_lookup",
     ),
 )
 def ragged_paged_attention(
@@ -348,6 +465,9 @@ def ragged_paged_attention(
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    addressing: str = "paged",
+    prologue: str = "scalar",
+    page_lookup: str = "inline",
 ) -> jax.Array:
     """Pallas (Triton backend) ragged paged attention; semantics of the reference.
 
@@ -356,7 +476,9 @@ def ragged_paged_attention(
 
     Knobs (all static, ``None`` = automatic, see ``block_config``): ``block_q`` query tokens per
     program, ``block_n`` kv tokens per tile, ``num_splits`` flash-decoding splits of the KV
-    range (1 disables the combine), ``num_warps`` / ``num_stages`` Triton parameters.
+    range (1 disables the combine), ``num_warps`` / ``num_stages`` Triton parameters,
+    ``addressing`` ("paged" / "flat", see ``ADDRESSING``) and ``prologue`` ("scalar" /
+    "vector", see ``PROLOGUES``).
     """
     T, Hq, D = q.shape
     S, P = page_table.shape
@@ -371,8 +493,20 @@ def ragged_paged_attention(
     cfg = block_config(
         T, S, P, page_size, Hq, Hkv, D, q.dtype,
         block_q=block_q, block_n=block_n, num_splits=num_splits,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, addressing=addressing, prologue=prologue,
+        page_lookup=page_lookup,
     )
+    num_pages = k_pages.shape[-4]
+    if addressing == "flat":
+        total_rows = math.prod(k_pages.shape[:-1])  # (L *) N * page_size * Hkv
+        if total_rows >= 2**31:
+            raise ValueError(
+                f"addressing='flat' needs fewer than 2**31 cache rows for int32 row math; "
+                f"this cache has {total_rows} (shape {k_pages.shape}): use 'paged'"
+            )
+        # Contiguous row-major array: XLA makes this reshape a bitcast (no copy).
+        k_pages = k_pages.reshape(total_rows, D)
+        v_pages = v_pages.reshape(total_rows, D)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(
         _kernel,
@@ -381,6 +515,8 @@ def ragged_paged_attention(
         num_tokens=T,
         group=Hq // Hkv,
         page_size=page_size,
+        num_kv_heads=Hkv,
+        num_pages=num_pages,
         scale_log2=float(sm_scale) * _LOG2E,
         stacked=stacked,
         precision=precision,
@@ -405,7 +541,8 @@ def ragged_paged_attention(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages
         ),
         interpret=interpret,
-        name=f"ragged_paged_attention_bm{cfg.block_m}_bn{cfg.block_n}_ns{NS}",
+        name=f"ragged_paged_attention_bm{cfg.block_m}_bn{cfg.block_n}_ns{NS}"
+        f"_{cfg.addressing}_{cfg.prologue}_{cfg.page_lookup}",
     )(
         kv_lens.astype(jnp.int32),
         page_table.astype(jnp.int32),
