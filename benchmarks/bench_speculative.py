@@ -1,0 +1,167 @@
+"""Speculative decoding benchmark: the embedded default pair, every arm, per workload and batch size.
+
+Arms, all in one process on the same prompts at temperature 0 (so every arm commits the very
+same tokens -- the decoding is lossless -- and only the time differs):
+  none            the plain engine (overlapped decode)
+  mtp             the MTP chain drafter (3-1-4: 3 drafts, 4 verify tokens per request)
+  static          DSpark, every request verifies its whole block (gamma + 1 rows)
+  compact         DSpark, confidence-scheduled windows, no cost table (verify-all budget)
+  compact+table   DSpark compact with the profiled additive cost table (--sps-table-path)
+
+For each (workload, batch size bs) the first bs held-out prompts of the workload run as one batch
+(bs = 1: --single-prompts prompts one after another) after a warm-up pass on the same prompts.
+Reported: wall tok/s (generated tokens / wall time, prefill included), its ratio to the plain
+engine in the same run, mean accept length (tokens per round incl. the bonus), mean verify window,
+and, for compact+table, the predicted vs measured round time (median relative error).
+
+    python benchmarks/bench_speculative.py --corpus .data/corpus --sps-table-path T.json --out-dir $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+
+from benchmarks.common import environment, write_results
+
+ARMS = ("none", "static", "compact+table", "compact", "mtp")  # run order: the goals' arms first
+
+
+def build_engine(arm: str, target, ec, table):
+    from dspark_jax.default_model import default_drafter_path, default_mtp_path, default_sts_path
+    from dspark_jax.engine import Engine
+    from dspark_jax.engine.mtp_engine import MTPEngine
+    from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
+
+    if arm == "none":
+        return Engine.from_pretrained(target, ec)
+    if arm == "mtp":
+        return MTPEngine.from_pretrained(target, default_mtp_path(), ec)
+    from dspark_jax.calibration.sts import StsCalibration
+
+    sts = StsCalibration.load(default_sts_path()) if default_sts_path() else None
+    mode = "static" if arm == "static" else "compact"
+    spec = SpeculativeConfig(mode=mode, sts=sts, cost_table=table if arm == "compact+table" else None)
+    return SpeculativeEngine.from_pretrained(target, default_drafter_path(), ec, spec)
+
+
+def run_cell(engine, prompts: list[str], bs: int, single: int, max_new: int) -> dict:
+    from dspark_jax.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new)
+    groups = [[p] for p in prompts[:single]] if bs == 1 else [prompts[:bs]]
+    for g in groups:  # warm-up: host paths, any lazily compiled shape
+        engine.generate(g, params)
+    stats = getattr(engine, "stats", None)
+    if stats is not None:
+        for k in ("predicted_step_s", "measured_step_s"):
+            if k in stats:
+                stats[k].clear()
+    t0 = time.perf_counter()
+    results = [r for g in groups for r in engine.generate(g, params)]
+    wall = time.perf_counter() - t0
+    tokens = sum(len(r.token_ids) for r in results)
+    cell = {"requests": len(results), "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+            "outputs": [r.token_ids for r in results]}
+    spec = [r.stats["spec"] for r in results if "spec" in r.stats]
+    if spec:
+        acc = np.concatenate([s["accept_lens"] for s in spec])
+        cell["accept_length"] = float(acc.mean())
+        cell["window"] = float(np.mean([s["window"] for s in spec]))
+    if stats is not None and stats.get("predicted_step_s"):
+        pred, meas = np.asarray(stats["predicted_step_s"]), np.asarray(stats["measured_step_s"])
+        cell["step_predicted_ms"] = float(np.median(pred) * 1e3)
+        cell["step_measured_ms"] = float(np.median(meas) * 1e3)
+        cell["step_median_rel_error"] = float(np.median(np.abs(pred - meas) / meas))
+    return cell
+
+
+def report(args, env, rows: list[dict]) -> None:
+    """Ratios against the plain engine of the same run, token equality, JSON + markdown."""
+    base = {(r["workload"], r["batch"]): r for r in rows if r["arm"] == "none"}
+    out = []
+    for r in rows:
+        r = dict(r)
+        b = base.get((r["workload"], r["batch"]))
+        if b is not None:
+            r["speedup_vs_none"] = r["tok_s"] / b["tok_s"]
+            r["same_tokens_as_none"] = r["outputs"] == b["outputs"]
+        r.pop("outputs")
+        out.append(r)
+    rows = out
+    payload = {"env": env, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
+    md = [f"# Speculative decoding, embedded default pair ({env['device']}, jax {env['jax']}, {env['date']}, "
+          f"commit {env['commit']})\n",
+          f"Temperature 0, {args.max_new_tokens} new tokens per request, {args.split} prompts; batch 1 = "
+          f"{args.single_prompts} prompts one after another. tok/s = generated tokens / wall time (prefill "
+          "included); x none = ratio to the plain engine in this run; accept = tokens committed per round "
+          "(bonus included); window = verified tokens per request per round (anchor included); step pred/meas = "
+          "median predicted vs measured round time (compact with the cost table).\n",
+          "| workload | batch | arm | tok/s | x none | accept | window | step pred / meas ms | same tokens |",
+          "|---|---:|---|---:|---:|---:|---:|---:|---|"]
+    for r in sorted(rows, key=lambda r: (r["workload"], r["batch"], ARMS.index(r["arm"]))):
+        step = (f"{r['step_predicted_ms']:.3f} / {r['step_measured_ms']:.3f}" if "step_predicted_ms" in r else "")
+        md.append(f"| {r['workload']} | {r['batch']} | {r['arm']} | {r['tok_s']:.0f} | "
+                  f"{r.get('speedup_vs_none', float('nan')):.2f} | {r.get('accept_length', 1.0):.2f} | "
+                  f"{r.get('window', float('nan')):.2f} | {step} | {r.get('same_tokens_as_none', '')} |")
+    for p in write_results(f"speculative_default_{env['platform']}{args.tag}", payload, "\n".join(md) + "\n",
+                           args.out_dir):
+        print("wrote", p)
+    print("\n".join(md))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--corpus", required=True, type=Path)
+    ap.add_argument("--split", default="heldout")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--single-prompts", type=int, default=4, help="prompts run one by one at batch 1")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-prompt-tokens", type=int, default=384)
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--sps-table-path", type=Path, help="profiled cost table for compact+table")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--out-dir", action="append", default=[])
+    args = ap.parse_args(argv)
+    from dspark_jax.default_model import default_model_path
+    from dspark_jax.engine import EngineConfig
+    from dspark_jax.speculative.cost_model import load_cost_table
+    from dspark_jax.tokenizer import Tokenizer
+    from training.drafter.selfdistill import SelfDistillConfig, select_prompts
+
+    arms = [a for a in args.arms.split(",") if a]
+    if "compact+table" in arms and args.sps_table_path is None:
+        ap.error("compact+table needs --sps-table-path")
+    table = load_cost_table(args.sps_table_path) if args.sps_table_path else None
+    env = environment()
+    target = default_model_path()
+    tok = Tokenizer.from_folder(target)
+    need = max(max(args.batch_sizes), args.single_prompts)
+    cfg = SelfDistillConfig(split=args.split, per_workload=4 * need, max_prompt_tokens=args.max_prompt_tokens)
+    by_workload: dict[str, list[str]] = {}
+    for p in select_prompts(args.corpus, cfg):
+        if len(tok.encode(p["prompt"])) <= args.max_prompt_tokens:
+            by_workload.setdefault(p["workload"], []).append(p["prompt"])
+    ec = EngineConfig(max_running_requests=max(args.batch_sizes),
+                      max_model_len=args.max_prompt_tokens + args.max_new_tokens + 32)
+    rows = []
+    for arm in arms:
+        t0 = time.perf_counter()
+        engine = build_engine(arm, target, ec, table)
+        setup = time.perf_counter() - t0
+        for workload, prompts in sorted(by_workload.items()):
+            for bs in args.batch_sizes:
+                cell = run_cell(engine, prompts, bs, args.single_prompts, args.max_new_tokens)
+                rows.append({"arm": arm, "workload": workload, "batch": bs, "setup_s": setup, **cell})
+                print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items() if k != "outputs"},
+                      flush=True)
+        del engine
+        report(args, env, rows)  # after every arm: a run cut short keeps what it measured
+if __name__ == "__main__":
+    main()
