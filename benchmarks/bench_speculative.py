@@ -34,7 +34,8 @@ ARMS = ("none", "static", "compact+table", "compact", "mtp")  # run order: the g
 
 
 def build_engine(arm: str, target, ec, table):
-    from dspark_jax.default_model import default_drafter_path, default_mtp_path, default_sts_path
+    from dspark_jax.default_model import default_drafter_path, default_mtp_path
+    from dspark_jax.drafter.checkpoint import drafter_sts_path
     from dspark_jax.engine import Engine
     from dspark_jax.engine.mtp_engine import MTPEngine
     from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
@@ -45,7 +46,8 @@ def build_engine(arm: str, target, ec, table):
         return MTPEngine.from_pretrained(target, default_mtp_path(), ec)
     from dspark_jax.calibration.sts import StsCalibration
 
-    sts = StsCalibration.load(default_sts_path()) if default_sts_path() else None
+    sts_path = drafter_sts_path(default_drafter_path())
+    sts = StsCalibration.load(sts_path) if sts_path else None
     mode = "static" if arm == "static" else "compact"
     spec = SpeculativeConfig(mode=mode, sts=sts, cost_table=table if arm == "compact+table" else None)
     return SpeculativeEngine.from_pretrained(target, default_drafter_path(), ec, spec)

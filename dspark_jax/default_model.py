@@ -32,12 +32,6 @@ def default_drafter_path() -> Path | None:
     return EMBEDDED_DRAFTER if (EMBEDDED_DRAFTER / "dspark_config.json").exists() else None
 
 
-def default_sts_path() -> Path | None:
-    """The embedded drafter's STS calibration file (None until one is fitted)."""
-    path = EMBEDDED_DRAFTER / "sts.json"
-    return path if path.exists() else None
-
-
 def default_mtp_path() -> Path | None:
     """The embedded MTP chain drafter of the default target (None if the assets are absent)."""
     return EMBEDDED_MTP if (EMBEDDED_MTP / "config.json").exists() else None

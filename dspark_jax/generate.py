@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--verify-mode", default="static", choices=["static", "compact", "cap-accept"])
     ap.add_argument("--block-size", type=int, default=None, help="must equal the drafter's trained block size")
     ap.add_argument("--sps-table-path", default=None, help="additive step-cost table JSON (none: verify everything)")
-    ap.add_argument("--sts-path", default=None, help="STS temperatures JSON (none: identity)")
+    ap.add_argument("--sts-path", default=None, help="STS temperatures JSON (default: the drafter folder's "
+                    "sts.json if it has one, else identity)")
     ap.add_argument("--record-sts-dir", default=None,
                     help="write STS calibration data (raw confidence logits, accepted drafts) here; "
                          "needs --verify-mode static or cap-accept and no --sts-path")
@@ -139,9 +140,13 @@ def _speculative_engine(args, model_path, ec):
         if draft is None:
             raise CheckpointError("--speculative dspark needs --draft-model-path (the embedded drafter only "
                                   "serves the embedded default model)")
+    from dspark_jax.drafter.checkpoint import drafter_sts_path
+
+    # The drafter folder's own calibration unless one is named (recording needs raw confidences).
+    sts_path = args.sts_path or (None if args.record_sts_dir else drafter_sts_path(draft))
     spec = SpeculativeConfig(
         mode=args.verify_mode,
-        sts=StsCalibration.load(args.sts_path) if args.sts_path else None,
+        sts=StsCalibration.load(sts_path) if sts_path else None,
         cost_table=load_cost_table(args.sps_table_path),
         record_sts_dir=args.record_sts_dir,
     )

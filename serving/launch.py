@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="DSpark verify mode (SGLANG_RAGGED_VERIFY_MODE)")
     ap.add_argument("--block-size", type=int, help="DSpark block size; must equal the drafter's trained block size")
     ap.add_argument("--sps-table-path", help="SPS cost table JSON (compact mode budget); default: verify everything")
-    ap.add_argument("--sts-path", help="STS confidence calibration JSON; default: identity temperatures")
+    ap.add_argument("--sts-path", help="STS confidence calibration JSON; default: the drafter folder's sts.json "
+                    "if it has one, else identity temperatures")
     ap.add_argument("--max-running-requests", type=int, default=16, help="decode slots (continuous batching)")
     ap.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens (rounded up to pages); default: every slot can hold a full context")
     ap.add_argument("--max-model-len", type=int, help="context length (default: min(model max positions, 4096))")
@@ -115,11 +116,13 @@ def build_engine(args, r: dict):
 
         return MTPEngine.from_pretrained(r["model_path"], r["draft"], ec, num_steps=args.mtp_steps)
     from dspark_jax.calibration.sts import StsCalibration
+    from dspark_jax.drafter.checkpoint import drafter_sts_path
     from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
     from dspark_jax.speculative.cost_model import load_cost_table
 
+    sts_path = args.sts_path or drafter_sts_path(r["draft"])
     spec = SpeculativeConfig(mode=args.verify_mode, cost_table=load_cost_table(args.sps_table_path),
-                             sts=StsCalibration.load(args.sts_path) if args.sts_path else None)
+                             sts=StsCalibration.load(sts_path) if sts_path else None)
     return SpeculativeEngine.from_pretrained(r["model_path"], r["draft"], ec, spec, block_size=args.block_size)
 
 

@@ -40,7 +40,7 @@ def _engine(args):
     from dspark_jax.calibration.sts import StsCalibration
     from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
 
-    sts = StsCalibration.load(args.sts_path) if args.sts_path else None
+    sts = StsCalibration.load(args.sts_path) if args.sts_path else None  # explicit: this measures calibration
     spec = SpeculativeConfig(mode="static", sts=sts, record_sts_dir=args.record_sts_dir)
     return SpeculativeEngine.from_pretrained(target, args.drafter or default_drafter_path(), ec, spec)
 

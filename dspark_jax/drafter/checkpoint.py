@@ -9,6 +9,8 @@ used by reference at run time, so the folder is meaningless without its target:
                                joined with '/' (e.g. "layers/q_proj/kernel" stacked over layers,
                                "markov/w1/embedding"); metadata {"format": FORMAT}
     training.json              (optional) where the weights came from: run, step, held-out tau
+    sts.json                   (optional) the confidence head's STS calibration (training.calibrate_sts),
+                               used by default when the folder is served (drafter_sts_path)
 
     save_drafter(folder, cfg, drafter_or_params, dtype="bfloat16")
     cfg, drafter = load_drafter(folder, dtype=jnp.float32)
@@ -38,6 +40,7 @@ from dspark_jax.drafter.model import DSparkDrafter
 from dspark_jax.errors import CheckpointError
 
 CONFIG_FILE, WEIGHTS_FILE, TRAINING_FILE = "dspark_config.json", "dspark_drafter.safetensors", "training.json"
+STS_FILE = "sts.json"
 FORMAT = "dspark-jax-drafter/1"
 _STORAGE = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
@@ -57,6 +60,12 @@ def flatten_params(tree: dict, prefix: str = "") -> dict[str, object]:
 def _expected(cfg: DSparkConfig) -> dict:
     """The parameter structure cfg implies (ShapeDtypeStruct leaves)."""
     return nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: DSparkDrafter(cfg, rngs=nnx.Rngs(0)))))
+
+
+def drafter_sts_path(folder) -> Path | None:
+    """The folder's own STS calibration file, if it ships one."""
+    path = Path(folder) / STS_FILE
+    return path if path.is_file() else None
 
 
 def save_drafter(folder: str | Path, cfg: DSparkConfig, drafter: DSparkDrafter | dict, *, dtype: str = "bfloat16",

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Everything the embedded default pair needs measured on the GPU, in one device command (<= 10 min):
+#
+#   benchmarks/run_default_pair_suite.sh      # on the device, carrying .data/corpus
+#
+#   sts      record (raw confidence logits, accepted drafts) from static full-block rounds at T=0 on
+#            the corpus validation split, fit STS (training.calibrate_sts) and install the result as
+#            the drafter folder's sts.json (so every later stage, and serving, uses it)
+#   tau      acceptance length by real rounds on the held-out split at T=0 and T=1, DSpark (with
+#            STS: its per-position ECE / AUROC / Brier are the held-out calibration figures) and MTP
+#   sps      the additive step-cost table (benchmarks/profile_sps.py)
+#   bench    every arm at batch 1 / 8 / 64 per workload (benchmarks/bench_speculative.py)
+#   kernel   verify / decode cost ratio of the attention kernel's options (whatever time is left)
+#
+# Results land in $OUT (default runs/default-pair-suite); copy them into benchmarks/results and the
+# drafter folder by hand after reading them.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+T0=$(date +%s)
+BUDGET=${BUDGET:-585}
+OUT=${OUT:-runs/default-pair-suite}
+CORPUS=${CORPUS:-.data/corpus}
+DRAFTER=${DRAFTER:-dspark_jax/assets/default-dspark}
+TARGET=${TARGET:-dspark_jax/assets/default-target}
+STS_PROMPTS=${STS_PROMPTS:-400}
+TAU_PROMPTS=${TAU_PROMPTS:-200}
+MAX_NEW=${MAX_NEW:-256}
+STAGES=${STAGES:-sts tau sps bench kernel}
+PYTHON=${PYTHON:-python3}
+export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+left() { echo $((BUDGET - ($(date +%s) - T0))); }
+
+for stage in $STAGES; do
+  echo "== $stage ($(left)s left)"
+  case $stage in
+    sts)
+      rm -rf "$OUT/sts-shards"
+      timeout 150 "$PYTHON" -m training.evaluate_speculative --corpus "$CORPUS" --split validation \
+          --target "$TARGET" --drafter "$DRAFTER" \
+          --per-workload "$STS_PROMPTS" --max-new-tokens "$MAX_NEW" --temperatures 0 --max-running 256 \
+          --record-sts-dir "$OUT/sts-shards" --out "$OUT/sts_record_tau.json" > "$OUT/sts_record.log" 2>&1
+      "$PYTHON" -m training.calibrate_sts "$OUT/sts-shards" --block-size 7 --out "$OUT/sts.json" \
+          --dataset "corpus validation split, $STS_PROMPTS prompts per workload, T=0, static full-block verify" \
+          2>&1 | tee "$OUT/sts_fit.log"
+      cp "$OUT/sts.json" "$DRAFTER/sts.json"
+      ;;
+    tau)
+      for algo in dspark mtp; do
+        extra=(--target "$TARGET"); [ "$algo" = dspark ] && extra+=(--drafter "$DRAFTER" --sts-path "$DRAFTER/sts.json")
+        timeout 120 "$PYTHON" -m training.evaluate_speculative --corpus "$CORPUS" --split heldout --algorithm "$algo" \
+            --per-workload "$TAU_PROMPTS" --max-new-tokens "$MAX_NEW" --temperatures 0,1 --max-running 256 \
+            "${extra[@]}" --out "$OUT/tau_heldout_$algo.json" > "$OUT/tau_$algo.log" 2>&1 || echo "tau $algo failed"
+      done
+      ;;
+    sps)
+      timeout 150 "$PYTHON" benchmarks/profile_sps.py --model-path "$TARGET" --draft-model-path "$DRAFTER" \
+          --out-dir "$OUT" > "$OUT/sps.log" 2>&1 || echo "sps failed"
+      tail -n 3 "$OUT/sps.log"
+      ;;
+    bench)
+      table=(); [ -f "$OUT/sps_table_gpu.table.json" ] && table=(--sps-table-path "$OUT/sps_table_gpu.table.json")
+      arms=none,static,compact+table,compact,mtp; [ ${#table[@]} -eq 0 ] && arms=none,static,compact,mtp
+      timeout $(( $(left) - 60 )) "$PYTHON" benchmarks/bench_speculative.py --corpus "$CORPUS" --arms "$arms" \
+          "${table[@]}" --out-dir "$OUT" > "$OUT/bench.log" 2>&1 || echo "bench cut short or failed"
+      tail -n 50 "$OUT/bench.log"
+      ;;
+    kernel)
+      t=$(( $(left) - 5 ))
+      if [ "$t" -gt 60 ]; then
+        timeout "$t" "$PYTHON" benchmarks/bench_ragged_paged_attention.py --ratio --ratio-deadline $((t - 50)) \
+            --out "$OUT" --git-commit "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
+            > "$OUT/kernel_ratio.log" 2>&1 || echo "kernel ratio cut short or failed"
+        tail -n 30 "$OUT/kernel_ratio.log"
+      fi
+      ;;
+    *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+done
+echo "done at $(( $(date +%s) - T0 ))s"
+ls -l "$OUT"

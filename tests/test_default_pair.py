@@ -1,0 +1,56 @@
+"""The embedded default pair is lossless: every verify mode and the MTP arm commit plain greedy.
+
+The random tiny pairs of test_speculative_engine.py exercise every branch; this runs the trained
+drafters shipped in dspark_jax/assets, whose drafts are mostly right, over a ragged batch that
+mixes the three workloads, a raw-id prompt, stop ids and different lengths.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark_jax.default_model import default_drafter_path, default_model_path, default_mtp_path
+from dspark_jax.engine import Engine, EngineConfig
+from dspark_jax.sampling import SamplingParams
+from dspark_jax.speculative.cost_model import AdditiveCostTable
+
+pytestmark = pytest.mark.skipif(default_drafter_path() is None or default_mtp_path() is None,
+                                reason="the embedded drafters are not in this tree")
+
+EC = EngineConfig(max_running_requests=4, max_model_len=192, max_prefill_tokens=128, precompile=False)
+PROMPTS = [
+    "Question: A baker has 12 trays with 8 rolls each. She sells 30 rolls. How many are left?\nSolution:",
+    "def fibonacci(n):\n",
+    "Shall I compare thee to a summer's day?\n",
+    [1, 40, 41, 42, 43],
+    "Question: What is 7 times 6?\nSolution:",
+    "class Stack:\n    def __init__(self):\n",
+]
+PARAMS = [SamplingParams(max_new_tokens=n) for n in (40, 24, 32, 16, 40, 24)]
+PARAMS[2] = SamplingParams(max_new_tokens=32, stop_token_ids=[13])  # a stop id inside accepted drafts
+# A staircase table that makes compact trim (tier 8 cheap, 16 and up dearer).
+TABLE = AdditiveCostTable(bias_seconds=1e-3, bs_probes=[1, 4], alpha_seconds=[0.0, 1e-4],
+                          m_probes=[0, 8, 16, 64], theta_seconds=[0.0, 1e-4, 2e-3, 4e-3])
+
+
+@pytest.fixture(scope="module")
+def greedy():
+    eng = Engine.from_pretrained(default_model_path(), EC)
+    return [r.token_ids for r in eng.generate(PROMPTS, PARAMS)]
+
+
+@pytest.mark.parametrize("arm", ["static", "compact", "cap-accept", "mtp"])
+def test_default_pair_equals_plain_greedy(greedy, arm):
+    if arm == "mtp":
+        from dspark_jax.engine.mtp_engine import MTPEngine
+
+        eng = MTPEngine.from_pretrained(default_model_path(), default_mtp_path(), EC)
+    else:
+        from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
+
+        spec = SpeculativeConfig(mode=arm, cost_table=None if arm == "static" else TABLE)
+        eng = SpeculativeEngine.from_pretrained(default_model_path(), default_drafter_path(), EC, spec)
+    res = eng.generate(PROMPTS, PARAMS)
+    assert [r.token_ids for r in res] == greedy
+    accepted = [a for r in res for a in r.stats["spec"]["accept_lens"]]
+    assert max(accepted) > 2  # the trained drafters really deliver multi-token rounds
