@@ -12,8 +12,8 @@
 #   bench    every arm at batch 1 / 8 / 64 per workload (benchmarks/bench_speculative.py)
 #   kernel   verify / decode cost ratio of the attention kernel's options (whatever time is left)
 #
-# Results land in $OUT (default runs/default-pair-suite); copy them into benchmarks/results and the
-# drafter folder by hand after reading them.
+# Results land in $OUT (default runs/default-pair-suite), packed into default-pair-suite.tgz (PACK=0:
+# left as files); copy them into benchmarks/results and the drafter folder by hand after reading them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
@@ -28,6 +28,8 @@ MAX_NEW=${MAX_NEW:-256}
 STAGES=${STAGES:-sts tau sps bench kernel}
 PYTHON=${PYTHON:-python3}
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
+# The device's copy of the tree may report a stale HEAD: pass the commit you ran (GIT_COMMIT=...).
+export GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 mkdir -p "$OUT"
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
 
@@ -69,7 +71,7 @@ for stage in $STAGES; do
       t=$(( $(left) - 5 ))
       if [ "$t" -gt 60 ]; then
         timeout "$t" "$PYTHON" benchmarks/bench_ragged_paged_attention.py --ratio --ratio-deadline $((t - 50)) \
-            --out "$OUT" --git-commit "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
+            --out "$OUT" --git-commit "$GIT_COMMIT" \
             > "$OUT/kernel_ratio.log" 2>&1 || echo "kernel ratio cut short or failed"
         tail -n 30 "$OUT/kernel_ratio.log"
       fi
@@ -79,3 +81,8 @@ for stage in $STAGES; do
 done
 echo "done at $(( $(date +%s) - T0 ))s"
 ls -l "$OUT"
+# The device tool returns only a few files from $OUT: pack everything into one archive.
+if [ "${PACK:-1}" = 1 ]; then
+  tar -C "$OUT" --exclude=sts-shards -czf /tmp/default-pair-suite.tgz . && find "$OUT" -mindepth 1 -delete \
+      && mv /tmp/default-pair-suite.tgz "$OUT/"
+fi
