@@ -466,3 +466,66 @@ def test_load_generator_smoke(server, tmp_path, capsys):
     assert "ttft_ms" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         check_loopback("http://example.com:30000")
+
+
+def test_speculative_server_concurrent_streams_and_disconnect(tmp_path_factory):
+    """The default serving path is speculative: 64 concurrent greedy streams through an overlapped
+    compact-mode DSpark engine each equal plain greedy decoding of that prompt alone, and a client
+    that disconnects mid-stream frees its slot and every KV page (target and draft caches share them)."""
+    from dspark_jax.checkpoint import load_model
+    from dspark_jax.engine import Engine, EngineConfig
+    from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
+    from dspark_jax.sampling import SamplingParams
+    from dspark_jax.tiny_model import write_tiny_model
+    from dspark_jax.tokenizer import Tokenizer
+    from serving.app import ServerConfig, create_app
+    from tests.test_speculative_engine import TABLE, repeat_biased_drafter
+
+    d = write_tiny_model(tmp_path_factory.mktemp("spec-srv64") / "m", vocab_size=300, max_position_embeddings=512)
+    _, target = load_model(d)
+    ec = EngineConfig(max_running_requests=16, max_prefill_tokens=128, max_model_len=256, page_size=8, precompile=False)
+    engine = SpeculativeEngine(target, Tokenizer.from_folder(d), repeat_biased_drafter(target), ec,
+                               SpeculativeConfig(mode="compact", cost_table=TABLE))
+    assert engine.overlap
+    prompts = [[5 + i % 50, 17 + i % 7, 42, 9 + i % 11] for i in range(N_CONCURRENT)]
+    max_tokens = [6 + i % 9 for i in range(N_CONCURRENT)]
+    plain = Engine.from_pretrained(d, ec)
+    want = [plain.generate(p, SamplingParams(max_new_tokens=m, ignore_eos=True))[0].token_ids
+            for p, m in zip(prompts, max_tokens)]
+    app = create_app(engine, ServerConfig(model_name="m", speculative_algorithm="DSPARK", verify_mode="compact",
+                                          block_size=engine.gamma))
+    with serve_in_thread(app) as base:
+        class S:
+            pass
+
+        S.base = base
+
+        async def run_all():
+            async with httpx.AsyncClient(limits=httpx.Limits(max_connections=N_CONCURRENT + 4), trust_env=False,
+                                         timeout=120) as ac:
+                async def one(p, m):
+                    ids = []
+                    async with ac.stream("POST", base + "/generate", json={
+                            "input_ids": p, "stream": True,
+                            "sampling_params": {"max_new_tokens": m, "temperature": 0, "ignore_eos": True}}) as resp:
+                        async for line in resp.aiter_lines():
+                            if line.startswith("data: {"):
+                                ids = json.loads(line[6:])["output_ids"]
+                    return ids
+
+                return await asyncio.wait_for(asyncio.gather(*(one(p, m) for p, m in zip(prompts, max_tokens))), 120)
+
+        assert asyncio.run(run_all()) == want
+        _wait_idle(S)
+        body = {"input_ids": [7, 8, 9], "stream": True,
+                "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
+        with httpx.Client(trust_env=False, timeout=30) as c:
+            with c.stream("POST", base + "/generate", json=body) as resp:
+                got, lines = 0, resp.iter_lines()
+                for line in lines:
+                    got += line.startswith("data: {")
+                    if got >= 2:
+                        break
+                assert _get(S, "/server_info").json()["internal_states"][0]["kv_used_pages"] > 0
+        info = _wait_idle(S)
+        assert info["memory_usage"]["kv_used_pages"] == 0 and engine.pool.num_free_pages == engine.pool.num_usable_pages
