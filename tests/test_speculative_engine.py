@@ -98,6 +98,18 @@ def test_greedy_speculation_equals_plain_greedy(pair, plain, mode, table):
         assert summ["step_time"]["predicted_mean_s"] > 0
 
 
+def test_requests_done_at_their_first_token_free_their_slot(pair, plain):
+    """A request that finishes at prefill (max_new_tokens 1) must give its round slot back: more
+    of them than there are slots, then a normal batch, all complete and match plain greedy."""
+    target, tok, drafter = pair
+    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC), SpeculativeConfig(mode="static"))
+    prompts = _prompts(target.config.vocab_size, 3 * EC["max_running_requests"], seed=11)
+    one = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    assert [r.token_ids for r in eng.generate(prompts, one)] == [r.token_ids for r in plain.generate(prompts, one)]
+    assert not eng._slot_of
+    assert [r.token_ids for r in eng.generate(prompts[:6], GREEDY)] == [r.token_ids for r in plain.generate(prompts[:6], GREEDY)]
+
+
 def test_compact_and_cap_accept_commit_identical_tokens(pair):
     target, tok, drafter = pair
     prompts = _prompts(target.config.vocab_size, 6, seed=5)

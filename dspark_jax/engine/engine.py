@@ -185,6 +185,12 @@ class Engine:
         return events
 
     def _prefill(self, chunks):
+        T, S, batch, sampling = self._prefill_inputs(chunks)
+        return self._commit_prefill(chunks, self.runner.run(batch, sampling))
+
+    def _prefill_inputs(self, chunks):
+        """(tokens bucket T, sequences S, ForwardBatch, sampling arrays) for prompt chunks [(request, n)]:
+        every engine (plain or speculative) packs a prefill step the same way."""
         T = round_up(sum(n for _, n in chunks), self.prefill_buckets)
         S = self.prefill_seqs
         seqs = [
@@ -198,14 +204,33 @@ class Engine:
         sampling = sampling_arrays(
             [r.params for r in reqs], [r.seed for r in reqs], [len(r.prompt_ids) for r in reqs], S
         )
-        tokens = np.asarray(self.runner.run(batch, sampling))
+        return T, S, batch, sampling
+
+    def _commit_prefill(self, chunks, tokens, on_complete=None):
+        """Advance each chunk's request; one whose prompt is now cached starts decoding with its
+        sampled first token (on_complete(request) runs first: slot assignment in the speculative engines)."""
+        tokens = np.asarray(tokens)
         events = []
         for i, (r, n) in enumerate(chunks):
             r.num_cached += n
             if r.num_cached == len(r.prompt_ids):
                 r.status = Status.DECODE
+                if on_complete is not None:
+                    on_complete(r)
                 events.append((r, r.append_tokens([tokens[i]])))
         return events
+
+    def _round_inputs(self, reqs, S: int):
+        """Host arrays of a speculative round for reqs padded to S rows: live mask, page tables and
+        per-request sampling parameters (temperature, top_k, top_p, seed)."""
+        bs, P = len(reqs), self.pages_per_seq
+        live = np.zeros(S, bool)
+        live[:bs] = True
+        table = np.zeros((S, P), np.int32)
+        for i, r in enumerate(reqs):
+            table[i] = self.pool.page_table_row(r.id, P)
+        temp, top_k, top_p, seed, _ = sampling_arrays([r.params for r in reqs], [r.seed for r in reqs], [0] * bs, S)
+        return live, table, temp, top_k, top_p, seed
 
     def _decode(self, reqs):
         """Decode one token for every running request.

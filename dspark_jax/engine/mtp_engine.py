@@ -31,12 +31,10 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.engine.engine import Engine, EngineConfig
-from dspark_jax.engine.model_runner import round_up
 from dspark_jax.engine.request import Status
-from dspark_jax.forward_batch import build_forward_batch, shape_struct
+from dspark_jax.forward_batch import shape_struct
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
 from dspark_jax.mtp.model import MTPDrafter, allocate_mtp_cache
-from dspark_jax.sampling import sampling_arrays
 from dspark_jax.speculative.mtp_step import MTPInputs, MTPOutputs, allocate_pending, mtp_prefill_step, mtp_spec_step
 from dspark_jax.speculative.tiers import TokenTiers
 from dspark_jax.tokenizer import Tokenizer
@@ -154,12 +152,7 @@ class MTPEngine(Engine):
 
     # -- steps ------------------------------------------------------------------------------
     def _prefill(self, chunks):
-        T = round_up(sum(n for _, n in chunks), self.prefill_buckets)
-        S = self.prefill_seqs
-        seqs = [(np.asarray(r.prompt_ids[r.num_cached: r.num_cached + n]), r.num_cached, self.pool.pages(r.id))
-                for r, n in chunks]
-        batch = build_forward_batch(seqs, page_size=self.pool.page_size, num_tokens=T, num_seqs=S,
-                                    pages_per_seq=self.pages_per_seq)
+        T, S, batch, samp = self._prefill_inputs(chunks)
         next_ids = np.zeros(T, np.int32)  # the prompt token after each row (the sampled one is filled in on device)
         final_slot = np.full(S, -1, np.int32)
         t = 0
@@ -169,32 +162,20 @@ class MTPEngine(Engine):
             if r.num_cached + n == len(r.prompt_ids):
                 final_slot[i] = self._assign_slot(r)
             t += n
-        reqs = [r for r, _ in chunks]
-        samp = sampling_arrays([r.params for r in reqs], [r.seed for r in reqs], [len(r.prompt_ids) for r in reqs], S)
         fn = self._compiled_prefill(T, S)
         tokens, self.tcache, self.dcache, self.pending = fn(
             self.target_state, self.drafter_state, self.tcache, self.dcache, self.pending, batch, samp, next_ids,
             final_slot)
-        tokens = np.asarray(tokens)
-        events = []
-        for i, (r, n) in enumerate(chunks):
-            r.num_cached += n
-            if r.num_cached == len(r.prompt_ids):
-                r.status = Status.DECODE
-                events.append((r, r.append_tokens([tokens[i]])))
-                self._release_if_finished(r)
+        events = self._commit_prefill(chunks, tokens)
+        for r, _ in events:
+            self._release_if_finished(r)
         return events
 
     def _decode(self, reqs):
-        bs, P = len(reqs), self.pages_per_seq
+        bs = len(reqs)
         T, S = self._spec_shape(bs)
-        live = np.zeros(S, bool)
-        live[:bs] = True
         pad = lambda a, dt: np.concatenate([np.asarray(a, dt), np.zeros(S - bs, dt)])
-        table = np.zeros((S, P), np.int32)
-        for i, r in enumerate(reqs):
-            table[i] = self.pool.page_table_row(r.id, P)
-        temp, top_k, top_p, seed, _ = sampling_arrays([r.params for r in reqs], [r.seed for r in reqs], [0] * bs, S)
+        live, table, temp, top_k, top_p, seed = self._round_inputs(reqs, S)
         inp = MTPInputs(pad([r.output_ids[-1] for r in reqs], np.int32), pad([r.total_len - 1 for r in reqs], np.int32),
                         table, live, np.int32(bs), pad([self._slot_of[r.id] for r in reqs], np.int32),
                         temp, top_k, top_p, seed)

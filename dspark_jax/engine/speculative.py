@@ -41,12 +41,10 @@ from flax import nnx
 from dspark_jax.calibration.sts import StsCalibration
 from dspark_jax.drafter.model import DSparkDrafter
 from dspark_jax.engine.engine import Engine, EngineConfig
-from dspark_jax.engine.model_runner import round_up
 from dspark_jax.engine.request import Status
-from dspark_jax.forward_batch import build_forward_batch, shape_struct
+from dspark_jax.forward_batch import shape_struct
 from dspark_jax.kv_cache import KVCache
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
-from dspark_jax.sampling import sampling_arrays
 from dspark_jax.speculative.cost_model import AdditiveCostTable
 from dspark_jax.speculative.scheduler import ConfidenceScheduler
 from dspark_jax.speculative.step import MODES, SpecInputs, SpecOutputs, prefill_step, spec_step
@@ -222,24 +220,13 @@ class SpeculativeEngine(Engine):
 
     # -- steps ------------------------------------------------------------------------------
     def _prefill(self, chunks):
-        T = round_up(sum(n for _, n in chunks), self.prefill_buckets)
-        S = self.prefill_seqs
-        seqs = [(np.asarray(r.prompt_ids[r.num_cached: r.num_cached + n]), r.num_cached, self.pool.pages(r.id))
-                for r, n in chunks]
-        batch = build_forward_batch(seqs, page_size=self.pool.page_size, num_tokens=T, num_seqs=S,
-                                    pages_per_seq=self.pages_per_seq)
-        reqs = [r for r, _ in chunks]
-        samp = sampling_arrays([r.params for r in reqs], [r.seed for r in reqs], [len(r.prompt_ids) for r in reqs], S)
+        T, S, batch, samp = self._prefill_inputs(chunks)
         fn = self._compiled_prefill((T, S, S))
         tokens, self.tcache, self.dcache = fn(self.target_state, self.drafter_state, self.tcache, self.dcache, batch, samp)
-        tokens = np.asarray(tokens)
-        events = []
-        for i, (r, n) in enumerate(chunks):
-            r.num_cached += n
-            if r.num_cached == len(r.prompt_ids):
-                r.status = Status.DECODE
-                self._assign_slot(r)
-                events.append((r, r.append_tokens([tokens[i]])))
+        events = self._commit_prefill(chunks, tokens, on_complete=self._assign_slot)
+        for r, _ in events:  # done at its first token (EOS, max_new_tokens 1): the slot is free again
+            if r.status is Status.FINISHED:
+                self._slot_of.pop(r.id, None)
         return events
 
     def _assign_slot(self, r):
@@ -279,14 +266,8 @@ class SpeculativeEngine(Engine):
             K, predicted = decision.budget, decision.predicted_step_seconds
         T = self.tiers.tier_for(bs, K) if self.spec.mode == "compact" else self.tiers.round_up(bs * (G + 1))
         S = min(T, self.ec.max_running_requests)
-        P = self.pages_per_seq
-        live = np.zeros(S, bool)
-        live[:bs] = True
         pad = lambda a, dt: np.concatenate([np.asarray(a, dt), np.zeros(S - bs, dt)])
-        table = np.zeros((S, P), np.int32)
-        for i, r in enumerate(reqs):
-            table[i] = self.pool.page_table_row(r.id, P)
-        temp, top_k, top_p, seed, _ = sampling_arrays([r.params for r in reqs], [r.seed for r in reqs], [0] * bs, S)
+        live, table, temp, top_k, top_p, seed = self._round_inputs(reqs, S)
         if prev is None:
             anchor = pad([r.output_ids[-1] for r in reqs], np.int32)
             start = pad([r.total_len - 1 for r in reqs], np.int32)
