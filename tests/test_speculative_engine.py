@@ -98,6 +98,21 @@ def test_greedy_speculation_equals_plain_greedy(pair, plain, mode, table):
         assert summ["step_time"]["predicted_mean_s"] > 0
 
 
+def test_default_tiers_include_finer_tiers_than_the_ladder(pair):
+    """A trimmed 64-request batch must drop to a smaller executable than verify-all even when its
+    budget stays above half the block: the default adds tiers every 64 tokens at this size."""
+    target, tok, drafter = pair
+    G = drafter.config.block_size
+    ec = EngineConfig(**{**EC, "max_running_requests": 64, "precompile": False})
+    eng = SpeculativeEngine(target, tok, drafter, ec, SpeculativeConfig(mode="compact", cost_table=TABLE))
+    top = 64 * (G + 1)
+    assert eng.tiers.tier_for(64, 64 * G) == top
+    assert eng.tiers.tier_for(64, top - 64 - 64) == top - 64  # one 64-token step below verify-all
+    assert set(range(64, top + 1, 64)) <= set(eng.tiers.tiers)
+    off = SpeculativeEngine(target, tok, drafter, ec, SpeculativeConfig(mode="compact", tier_step=0))
+    assert off.tiers.tiers == tuple(b * (G + 1) for b in off.decode_buckets)
+
+
 def test_requests_done_at_their_first_token_free_their_slot(pair, plain):
     """A request that finishes at prefill (max_new_tokens 1) must give its round slot back: more
     of them than there are slots, then a normal batch, all complete and match plain greedy."""

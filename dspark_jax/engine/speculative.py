@@ -68,6 +68,11 @@ class SpeculativeConfig:
     record_shard_rows: int = 4096
     # compact mode: estimate the uncensored ceiling (temperature-sampling rows only; no overlap)
     estimate_block_accept: bool = False
+    # Finer token tiers between the ladder's bs * (gamma + 1): every tier_step tokens up to the
+    # largest tier.  None: an eighth of the largest tier, rounded up to 64 tokens (at most ~8 more
+    # executables; a 64-request batch at gamma 7 gets 192, 320, 384, 448 besides 256 and 512);
+    # 0: ladder tiers only.
+    tier_step: int | None = None
 
 
 @dataclasses.dataclass
@@ -121,7 +126,9 @@ class SpeculativeEngine(Engine):
             self._recorder = StsRecorder(self.spec.record_sts_dir, G, self.spec.record_shard_rows)
         self.scheduler_conf = ConfidenceScheduler(G, self.spec.cost_table, lag=self.spec.lag,
                                                   min_predicted_gain=self.spec.min_predicted_gain)
-        self.tiers = TokenTiers(G, self.decode_buckets)
+        top = max(self.decode_buckets) * (G + 1)
+        step = self.spec.tier_step if self.spec.tier_step is not None else max(64, -(-top // 8 // 64) * 64)
+        self.tiers = TokenTiers(G, self.decode_buckets, tier_step=step or None)
         runner = self.runner
         self.tcache, runner.cache = runner.cache, None
         L, N, ps, Hkv, D = self.tcache.k.shape
