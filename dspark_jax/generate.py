@@ -125,22 +125,26 @@ def main(argv=None) -> int:
     return 0
 
 
+def _drafter_folder(args, embedded, what: str):
+    """--draft-model-path, else the embedded drafter (embedded(): a path or None), which belongs to
+    the embedded target only."""
+    from dspark_jax.errors import CheckpointError
+
+    draft = args.draft_model_path or (embedded() if args.model_path is None else None)
+    if draft is None:
+        raise CheckpointError(f"--speculative {args.speculative} needs --draft-model-path, {what} (the embedded "
+                              "one only serves the embedded default model)")
+    return draft
+
+
 def _speculative_engine(args, model_path, ec):
     from dspark_jax.calibration.sts import StsCalibration
+    from dspark_jax.default_model import default_drafter_path
+    from dspark_jax.drafter.checkpoint import drafter_sts_path
     from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
-    from dspark_jax.errors import CheckpointError
     from dspark_jax.speculative.cost_model import load_cost_table
 
-    draft = args.draft_model_path
-    if draft is None:
-        from dspark_jax.default_model import default_drafter_path
-
-        # The embedded drafter belongs to the embedded target only.
-        draft = default_drafter_path() if args.model_path is None else None
-        if draft is None:
-            raise CheckpointError("--speculative dspark needs --draft-model-path (the embedded drafter only "
-                                  "serves the embedded default model)")
-    from dspark_jax.drafter.checkpoint import drafter_sts_path
+    draft = _drafter_folder(args, default_drafter_path, "a DSpark drafter folder")
 
     # The drafter folder's own calibration unless one is named (recording needs raw confidences).
     sts_path = args.sts_path or (None if args.record_sts_dir else drafter_sts_path(draft))
@@ -154,17 +158,10 @@ def _speculative_engine(args, model_path, ec):
 
 
 def _mtp_engine(args, model_path, ec):
+    from dspark_jax.default_model import default_mtp_path
     from dspark_jax.engine.mtp_engine import MTPEngine
-    from dspark_jax.errors import CheckpointError
 
-    draft = args.draft_model_path
-    if draft is None:
-        from dspark_jax.default_model import default_mtp_path
-
-        draft = default_mtp_path() if args.model_path is None else None
-        if draft is None:
-            raise CheckpointError("--speculative mtp needs --draft-model-path, an MTP drafter folder (the embedded "
-                                  "one only serves the embedded default model)")
+    draft = _drafter_folder(args, default_mtp_path, "an MTP drafter folder")
     dspark_only = [f for f, v in (("--verify-mode", args.verify_mode != "static"), ("--block-size", args.block_size),
                                   ("--sps-table-path", args.sps_table_path), ("--sts-path", args.sts_path),
                                   ("--record-sts-dir", args.record_sts_dir)) if v]

@@ -19,7 +19,6 @@ The host reads back the drafts and accept counts once per round.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import time
@@ -32,6 +31,7 @@ from flax import nnx
 
 from dspark_jax.engine.engine import Engine, EngineConfig
 from dspark_jax.engine.request import Status
+from dspark_jax.engine.spec_rounds import commit_round, new_round_stats, summarize_rounds
 from dspark_jax.forward_batch import shape_struct
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
 from dspark_jax.mtp.model import MTPDrafter, allocate_mtp_cache
@@ -43,8 +43,6 @@ DEFAULT_NUM_STEPS = 3  # SGLang's EAGLE 3-1-4
 
 
 class MTPEngine(Engine):
-    STATS_WINDOW = 65536  # per-request-round samples kept for summary()
-
     def __init__(self, model: Qwen3ForCausalLM, tokenizer: Tokenizer | None, drafter: MTPDrafter,
                  config: EngineConfig | None = None, *, num_steps: int = DEFAULT_NUM_STEPS):
         if not isinstance(num_steps, int) or num_steps < 1:
@@ -69,9 +67,7 @@ class MTPEngine(Engine):
                                  donate_argnums=(2, 3, 4), static_argnames=("num_tokens",))
         self._compiled: dict = {}
         self._slot_of: dict[str, int] = {}
-        window = lambda: collections.deque(maxlen=self.STATS_WINDOW)
-        self.stats = {"rounds": 0, "samples": 0, "accept_lens": window(), "verify_lens": window(),
-                      "block_accept_lens": window()}
+        self.stats = new_round_stats()
         self.compile_seconds = self._compile_all() if (config or EngineConfig()).precompile else 0.0
 
     def _extra_kv_bytes_per_token(self, model) -> int:
@@ -189,26 +185,12 @@ class MTPEngine(Engine):
         events = []
         self.stats["rounds"] += 1
         for i, r in enumerate(reqs):
-            a = int(out.num_accepted[i])
-            start = r.total_len - 1
-            committed = r.append_tokens(list(out.drafts[i, :a]) + [int(out.bonus[i])])
-            r.num_cached = start + a + 1
-            r.spec_rounds.append((a + 1, int(out.verify_lens[i]), int(out.block_accept[i]) + 1))
-            self.stats["accept_lens"].append(a + 1)
-            self.stats["verify_lens"].append(int(out.verify_lens[i]))
-            self.stats["block_accept_lens"].append(int(out.block_accept[i]) + 1)
-            self.stats["samples"] += 1  # total ever appended (the deques keep only the last window)
+            committed = commit_round(self.stats, r, out.drafts[i], out.num_accepted[i], out.bonus[i],
+                                     out.verify_lens[i], out.block_accept[i])
             events.append((r, committed))
             self._release_if_finished(r)
         return events
 
     def summary(self) -> dict:
         """Aggregate speculative statistics since start-up, with the keys the DSpark engine reports."""
-        st = self.stats
-        acc, win, blk = (np.asarray(st[k], float) for k in ("accept_lens", "verify_lens", "block_accept_lens"))
-        out = {"mode": "mtp", "num_steps": self.num_steps, "rounds": st["rounds"]}
-        if acc.size:
-            out.update(accept_length=float(acc.mean()), window=float(win.mean()),
-                       window_histogram=np.bincount(win.astype(int), minlength=self.num_steps + 2).tolist(),
-                       block_accept_length=float(blk.mean()), utilization=float(acc.sum() / blk.sum()))
-        return out
+        return {"mode": "mtp", "num_steps": self.num_steps, **summarize_rounds(self.stats, self.num_steps)}

@@ -27,7 +27,6 @@ tokens for round t+1 depend on round t's outcome, so enabling it turns the overl
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import logging
@@ -42,6 +41,7 @@ from dspark_jax.calibration.sts import StsCalibration
 from dspark_jax.drafter.model import DSparkDrafter
 from dspark_jax.engine.engine import Engine, EngineConfig
 from dspark_jax.engine.request import Status
+from dspark_jax.engine.spec_rounds import commit_round, new_round_stats, summarize_rounds
 from dspark_jax.forward_batch import shape_struct
 from dspark_jax.kv_cache import KVCache
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
@@ -88,8 +88,6 @@ class _Round:
 
 
 class SpeculativeEngine(Engine):
-    STATS_WINDOW = 65536  # per-request-round samples kept for summary()
-
     def __init__(self, model: Qwen3ForCausalLM, tokenizer: Tokenizer | None, drafter: DSparkDrafter,
                  config: EngineConfig | None = None, spec: SpeculativeConfig | None = None):
         ec = dataclasses.replace(config or EngineConfig(), precompile=False)  # no plain decode buckets
@@ -153,10 +151,7 @@ class SpeculativeEngine(Engine):
         self._slot_of: dict[str, int] = {}
         self._slot_gen = np.full(self.ec.max_running_requests, -1, np.int64)
         self._gen_counter = 0
-        # Per-round samples for summary(): a rolling window, so a long-running server stays bounded.
-        window = lambda: collections.deque(maxlen=self.STATS_WINDOW)
-        self.stats = {"rounds": 0, "samples": 0, "accept_lens": window(), "verify_lens": window(), "block_accept_lens": window(),
-                      "predicted_step_s": window(), "measured_step_s": window()}
+        self.stats = new_round_stats("predicted_step_s", "measured_step_s")
         from dspark_jax.calibration.metrics import ConfidenceMetricsAccumulator
 
         # Online calibration of the confidence head, where labels are uncensored (full-block verify).
@@ -298,7 +293,8 @@ class SpeculativeEngine(Engine):
     def _read(self, rnd: _Round):
         """Read a dispatched round (the one host sync per round) and commit its tokens."""
         G, bs = self.gamma, len(rnd.reqs)
-        out = SpecOutputs(*jax.device_get(tuple(rnd.out[:7])), None, None, jax.device_get(rnd.out.estimate))
+        host, estimate = jax.device_get((tuple(rnd.out[:7]), rnd.out.estimate))
+        out = SpecOutputs(*host, None, None, estimate)
         now = time.perf_counter()
         if rnd.predicted_s is not None:  # predicted vs measured step time, for checking the cost table
             # The device ran this round from its dispatch or the previous round's end, whichever
@@ -321,17 +317,10 @@ class SpeculativeEngine(Engine):
         for i, r in enumerate(rnd.reqs):
             if r.status is Status.FINISHED:
                 continue  # finished (or aborted) in an earlier round: this round was speculative work
-            a = int(out.num_accepted[i])
-            start = r.total_len - 1
-            committed = r.append_tokens(list(out.drafts[i, :a]) + [int(out.bonus[i])])
-            starts.append(start)
+            starts.append(r.total_len - 1)
+            committed = commit_round(self.stats, r, out.drafts[i], out.num_accepted[i], out.bonus[i],
+                                     out.verify_lens[i], out.block_accept[i])
             commits.append(committed)
-            r.num_cached = start + a + 1
-            r.spec_rounds.append((a + 1, int(out.verify_lens[i]), int(out.block_accept[i]) + 1))
-            self.stats["accept_lens"].append(a + 1)
-            self.stats["verify_lens"].append(int(out.verify_lens[i]))
-            self.stats["block_accept_lens"].append(int(out.block_accept[i]) + 1)
-            self.stats["samples"] += 1  # total ever appended (the deques keep only the last window)
             events.append((r, committed))
             if r.status is Status.FINISHED:
                 self._slot_of.pop(r.id, None)
@@ -359,17 +348,12 @@ class SpeculativeEngine(Engine):
     def summary(self) -> dict:
         """Aggregate speculative statistics since start-up (engine-level observability)."""
         st = self.stats
-        acc, win, blk = (np.asarray(st[k], float) for k in ("accept_lens", "verify_lens", "block_accept_lens"))
-        out = {"mode": self.spec.mode, "rounds": st["rounds"]}
-        if acc.size:
-            out.update(accept_length=float(acc.mean()), window=float(win.mean()),
-                       window_histogram=np.bincount(win.astype(int), minlength=self.gamma + 2).tolist(),
-                       block_accept_length=float(blk.mean()), utilization=float(acc.sum() / blk.sum()))
+        out = {"mode": self.spec.mode, **summarize_rounds(st, self.gamma)}
         if st["predicted_step_s"]:
             pred, meas = np.asarray(st["predicted_step_s"]), np.asarray(st["measured_step_s"])
             out["step_time"] = {"predicted_mean_s": float(pred.mean()), "measured_mean_s": float(meas.mean()),
                                 "median_relative_error": float(np.median(np.abs(pred - meas) / meas))}
-        if self.confidence_metrics is not None and acc.size:
+        if self.confidence_metrics is not None and st["accept_lens"]:
             out["confidence"] = self.confidence_metrics.summary()
         if self.estimator is not None:
             out["ceiling_estimate"] = self.estimator.summary()
