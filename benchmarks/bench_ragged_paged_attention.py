@@ -60,6 +60,7 @@ except ImportError:  # pragma: no cover
     def tqdm(x, **_):
         return x
 
+from pallas_kernels.ragged_paged_attention.layout import pages_needed, ragged_metadata  # noqa: E402
 from pallas_kernels.ragged_paged_attention.kernel import (  # noqa: E402
     block_config,
     ragged_paged_attention,
@@ -84,24 +85,14 @@ def make_problem(rng, q_lens, kv_lens, *, hq, hkv, d, page_size, dtype, num_page
     """Random ragged problem on the default device; pages shuffled; page 0 is the sentinel."""
     q_lens = np.asarray(q_lens, np.int32)
     kv_lens = np.asarray(kv_lens, np.int32)
-    S = len(q_lens) + extra_seqs
     ns = len(q_lens)
-    need = [-(-int(k) // page_size) for k in kv_lens]
-    P = pages_per_seq or max(need)
+    need = pages_needed(kv_lens, page_size)
     total = int(sum(need))
     N = num_pages or total + 1
-    perm = rng.permutation(np.arange(1, N))[:total]
-    table = np.zeros((S, P), np.int32)  # unused entries -> sentinel page 0
-    o = 0
-    for s, n in enumerate(need):
-        table[s, :n] = perm[o:o + n]
-        o += n
-    cu = np.zeros(S + 1, np.int32)
-    cu[1:ns + 1] = np.cumsum(q_lens)
-    cu[ns + 1:] = cu[ns]
+    # unused table entries -> sentinel page 0
+    table, cu, kvl = ragged_metadata(q_lens, kv_lens, rng.permutation(np.arange(1, N))[:total], num_slots=ns + extra_seqs,
+                                     pages_per_seq=pages_per_seq or max(need), page_size=page_size)
     T = int(cu[ns]) + pad_rows
-    kvl = np.zeros(S, np.int32)
-    kvl[:ns] = kv_lens
     shape = (N, page_size, hkv, d) if layers is None else (layers, N, page_size, hkv, d)
     k = rng.standard_normal(shape, np.float32)
     v = rng.standard_normal(shape, np.float32)
@@ -629,25 +620,16 @@ def ratio_check(pool, rng, arms, poison_page):
     kv_lens[0], kv_lens[3] = 1, 8
     if INTERPRET:
         q_lens, kv_lens = [1, 8, 4, 3], [1, 40, 300, 9]  # 300: several KV tiles
-    S, ns = len(q_lens) + 2, len(q_lens)
-    need = [-(-k // ps) for k in kv_lens]
-    P = max(need) + 2
+    ns = len(q_lens)
+    need = pages_needed(kv_lens, ps)
     lo = pool.num_pages // 2
     pages = rng.choice(np.arange(lo, poison_page), size=sum(need), replace=False)
-    table = np.full((S, P), poison_page, np.int32)
-    o = 0
-    for s, n in enumerate(need):
-        table[s, :n] = pages[o:o + n]
-        o += n
-    cu = np.zeros(S + 1, np.int32)
-    cu[1:ns + 1] = np.cumsum(q_lens)
-    cu[ns + 1:] = cu[ns]
+    table, cu, kvl = ragged_metadata(q_lens, kv_lens, pages, num_slots=ns + 2, pages_per_seq=max(need) + 2,
+                                     page_size=ps, fill_page=poison_page)
     rows = int(cu[ns])
     T = rows + 5
     q = np.asarray(rng.standard_normal((T, HQ, D)), np.float32)
     q[rows:] = np.nan
-    kvl = np.zeros(S, np.int32)
-    kvl[:ns] = kv_lens
     args = (jnp.asarray(q, jnp.bfloat16), pool.k, pool.v, jnp.asarray(kvl), jnp.asarray(table),
             jnp.asarray(cu), jnp.int32(ns))
     scale = 1.0 / math.sqrt(D)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.ragged_paged_attention.layout import pages_needed, ragged_metadata
 from pallas_kernels.ragged_paged_attention import (
     block_config,
     ragged_paged_attention,
@@ -38,23 +39,11 @@ def _problem(rng, q_lens, kv_lens, *, hq, hkv, d, page_size, dtype, extra_seqs=2
     q_lens = np.asarray(q_lens, np.int32)
     kv_lens = np.asarray(kv_lens, np.int32)
     ns = len(q_lens)
-    S = ns + extra_seqs
-    need = [-(-int(k) // page_size) for k in kv_lens]
-    P = max(need) + 1
-    total = int(sum(need))
-    N = total + 4  # a few pages nobody owns
-    perm = rng.permutation(np.arange(1, N))
-    table = np.zeros((S, P), np.int32)
-    o = 0
-    for s, n in enumerate(need):
-        table[s, :n] = perm[o:o + n]
-        o += n
-    cu = np.zeros(S + 1, np.int32)
-    cu[1:ns + 1] = np.cumsum(q_lens)
-    cu[ns + 1:] = cu[ns]
+    need = pages_needed(kv_lens, page_size)
+    N = int(sum(need)) + 4  # a few pages nobody owns
+    table, cu, kvl = ragged_metadata(q_lens, kv_lens, rng.permutation(np.arange(1, N)), num_slots=ns + extra_seqs,
+                                     pages_per_seq=max(need) + 1, page_size=page_size)
     T = int(cu[ns]) + pad_rows
-    kvl = np.zeros(S, np.int32)
-    kvl[:ns] = kv_lens
     kvl[ns:] = 7  # ignored sequences: must not matter
     shape = (N, page_size, hkv, d) if layers is None else (layers, N, page_size, hkv, d)
     k = rng.standard_normal(shape).astype(np.float32)
