@@ -9,10 +9,13 @@ same tokens -- the decoding is lossless -- and only the time differs):
   compact+table   DSpark compact with the profiled additive cost table (--sps-table-path)
 
 For each (workload, batch size bs) the first bs held-out prompts of the workload run as one batch
-(bs = 1: --single-prompts prompts one after another) after a warm-up pass on the same prompts.
-Reported: wall tok/s (generated tokens / wall time, prefill included), its ratio to the plain
-engine in the same run, mean accept length (tokens per round incl. the bonus), mean verify window,
-and, for compact+table, the predicted vs measured round time (median relative error).
+(bs = 1: --single-prompts prompts one after another).  Every arm's engine lives for the whole run;
+a cell warms each arm up once on its prompts, then times --repeats passes with the arms
+interleaved (the order rotating each pass), so drifts of clock or host load hit every arm alike,
+and reports the median pass.  Reported: wall tok/s (generated tokens / wall time, prefill
+included), its ratio to the plain engine, mean accept length (tokens per round incl. the bonus),
+mean verify window, and, for compact+table, the predicted vs measured round time (median
+relative error over the timed passes' rounds).
 
     python benchmarks/bench_speculative.py --corpus .data/corpus --sps-table-path T.json --out-dir $OUT
 """
@@ -53,35 +56,53 @@ def build_engine(arm: str, target, ec, table):
     return SpeculativeEngine.from_pretrained(target, default_drafter_path(), ec, spec)
 
 
-def run_cell(engine, prompts: list[str], bs: int, single: int, max_new: int) -> dict:
+def cell_groups(prompts: list[str], bs: int, single: int) -> list[list[str]]:
+    return [[p] for p in prompts[:single]] if bs == 1 else [prompts[:bs]]
+
+
+def timed_pass(engine, groups, max_new: int) -> tuple[float, list]:
     from dspark_jax.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new)
-    groups = [[p] for p in prompts[:single]] if bs == 1 else [prompts[:bs]]
-    for g in groups:  # warm-up: host paths, any lazily compiled shape
-        engine.generate(g, params)
-    stats = getattr(engine, "stats", None)
-    if stats is not None:
-        for k in ("predicted_step_s", "measured_step_s"):
-            if k in stats:
-                stats[k].clear()
     t0 = time.perf_counter()
     results = [r for g in groups for r in engine.generate(g, params)]
-    wall = time.perf_counter() - t0
-    tokens = sum(len(r.token_ids) for r in results)
-    cell = {"requests": len(results), "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
-            "outputs": [r.token_ids for r in results]}
-    spec = [r.stats["spec"] for r in results if "spec" in r.stats]
-    if spec:
-        acc = np.concatenate([s["accept_lens"] for s in spec])
-        cell["accept_length"] = float(acc.mean())
-        cell["window"] = float(np.mean([s["window"] for s in spec]))
-    if stats is not None and stats.get("predicted_step_s"):
-        pred, meas = np.asarray(stats["predicted_step_s"]), np.asarray(stats["measured_step_s"])
-        cell["step_predicted_ms"] = float(np.median(pred) * 1e3)
-        cell["step_measured_ms"] = float(np.median(meas) * 1e3)
-        cell["step_median_rel_error"] = float(np.median(np.abs(pred - meas) / meas))
-    return cell
+    return time.perf_counter() - t0, results
+
+
+def run_cell(engines: dict, groups, max_new: int, repeats: int) -> dict:
+    """Warm every arm up, then `repeats` interleaved timed passes; one row per arm (median pass)."""
+    for engine in engines.values():  # host paths, any lazily compiled shape
+        timed_pass(engine, groups, max_new)
+        stats = getattr(engine, "stats", None)
+        for k in ("predicted_step_s", "measured_step_s"):
+            if stats is not None and k in stats:
+                stats[k].clear()
+    arms = list(engines)
+    walls = {a: [] for a in arms}
+    results = {}
+    for rep in range(repeats):
+        for a in arms[rep % len(arms):] + arms[: rep % len(arms)]:
+            wall, results[a] = timed_pass(engines[a], groups, max_new)
+            walls[a].append(wall)
+    cells = {}
+    for a in arms:
+        res, wall = results[a], float(np.median(walls[a]))
+        tokens = sum(len(r.token_ids) for r in res)
+        cell = {"requests": len(res), "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+                "wall_s_passes": walls[a], "outputs": [r.token_ids for r in res]}
+        spec = [r.stats["spec"] for r in res if "spec" in r.stats]
+        if spec:
+            acc = np.concatenate([s["accept_lens"] for s in spec])
+            cell["accept_length"] = float(acc.mean())
+            cell["window"] = float(np.mean([s["window"] for s in spec]))
+        stats = getattr(engines[a], "stats", None)
+        if stats is not None and stats.get("predicted_step_s"):
+            pred, meas = np.asarray(stats["predicted_step_s"]), np.asarray(stats["measured_step_s"])
+            cell["step_predicted_ms"] = float(np.median(pred) * 1e3)
+            cell["step_measured_ms"] = float(np.median(meas) * 1e3)
+            cell["step_median_rel_error"] = float(np.median(np.abs(pred - meas) / meas))
+        cells[a] = cell
+    return cells
 
 
 def report(args, env, rows: list[dict]) -> None:
@@ -102,7 +123,7 @@ def report(args, env, rows: list[dict]) -> None:
           f"commit {env['commit']})\n",
           f"Temperature 0, {args.max_new_tokens} new tokens per request, {args.split} prompts; batch 1 = "
           f"{args.single_prompts} prompts one after another. tok/s = generated tokens / wall time (prefill "
-          "included); x none = ratio to the plain engine in this run; accept = tokens committed per round "
+          f"included), median of {args.repeats} passes with the arms interleaved; x none = ratio to the plain engine in this run; accept = tokens committed per round "
           "(bonus included); window = verified tokens per request per round (anchor included); step pred/meas = "
           "median predicted vs measured round time (compact with the cost table).\n",
           "| workload | batch | arm | tok/s | x none | accept | window | step pred / meas ms | same tokens |",
@@ -127,6 +148,7 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--max-prompt-tokens", type=int, default=384)
     ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--repeats", type=int, default=3, help="timed passes per cell (arms interleaved)")
     ap.add_argument("--sps-table-path", type=Path, help="profiled cost table for compact+table")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out-dir", action="append", default=[])
@@ -152,18 +174,21 @@ def main(argv=None):
             by_workload.setdefault(p["workload"], []).append(p["prompt"])
     ec = EngineConfig(max_running_requests=max(args.batch_sizes),
                       max_model_len=args.max_prompt_tokens + args.max_new_tokens + 32)
-    rows = []
+    engines, setup = {}, {}
     for arm in arms:
         t0 = time.perf_counter()
-        engine = build_engine(arm, target, ec, table)
-        setup = time.perf_counter() - t0
-        for workload, prompts in sorted(by_workload.items()):
-            for bs in args.batch_sizes:
-                cell = run_cell(engine, prompts, bs, args.single_prompts, args.max_new_tokens)
-                rows.append({"arm": arm, "workload": workload, "batch": bs, "setup_s": setup, **cell})
-                print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items() if k != "outputs"},
-                      flush=True)
-        del engine
-        report(args, env, rows)  # after every arm: a run cut short keeps what it measured
+        engines[arm] = build_engine(arm, target, ec, table)
+        setup[arm] = time.perf_counter() - t0
+    rows = []
+    for workload, prompts in sorted(by_workload.items()):
+        for bs in args.batch_sizes:
+            cells = run_cell(engines, cell_groups(prompts, bs, args.single_prompts), args.max_new_tokens, args.repeats)
+            for arm, cell in cells.items():
+                rows.append({"arm": arm, "workload": workload, "batch": bs, "setup_s": setup[arm], **cell})
+                print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()
+                       if k not in ("outputs", "wall_s_passes")}, flush=True)
+            report(args, env, rows)  # after every cell: a run cut short keeps what it measured
+
+
 if __name__ == "__main__":
     main()

@@ -1,11 +1,22 @@
 """SPS profiler: measure speculative step time over batch size x verify fraction, fit the table.
 
-For each cell (batch size bs, fraction f) the compact round is run with the budget forced to
-K = round(f * bs * gamma) on a steady batch (every request at the same context, nothing
-committed between repeats, i.e. one committed token per step in SGLang's terms), and its median
-time recorded.  The additive model T(bs, K) = bias + alpha(bs) + theta(bs + K) is then fitted by
-least squares (one-hot batch sizes, 64-token M bins) and written as the JSON table the engine
+For each cell (batch size bs, fraction f) the budget is forced to K = round(f * bs * gamma) and the
+round's cost recorded; the additive model T(bs, K) = bias + alpha(bs) + theta(bs + K) is then fitted
+by least squares (one-hot batch sizes, 64-token M bins) and written as the JSON table the engine
 reads (--sps-table-path), with a predicted-vs-measured plot.
+
+Two ways to measure a cell (--method):
+
+* ``engine`` (default): bs requests (random prompts of --context tokens, EOS ignored) run through
+  the engine's own loop -- overlapped rounds, host scheduling and commits included -- with
+  SpeculativeConfig.forced_budget = K, and the median of the engine's round periods
+  (``stats["round_log"]``) after --warmup rounds is recorded.  That is exactly the quantity the
+  engine later compares its predictions with, so the table prices what a round really costs the
+  serving loop, host work included.  (SGLang profiles the same way, through its real runtime;
+  it also forces one committed token per step, which we do not need: the context grows by at
+  most (gamma + 1) * rounds tokens, which the cost hardly sees at --context 256.)
+* ``device``: the compiled round executable alone on a steady batch (every request at --context,
+  nothing committed between repeats): device time plus dispatch, without the engine's host work.
 
     python benchmarks/profile_sps.py --model-path TARGET --draft-model-path DRAFTER \\
         --batch-sizes 1 2 4 8 16 32 64 --fractions 0 0.25 0.5 0.75 1 --out-dir benchmarks/results
@@ -26,7 +37,9 @@ from tqdm import tqdm
 
 from benchmarks.common import environment, time_fn, write_results
 from dspark_jax.engine import EngineConfig
+from dspark_jax.engine.request import Status
 from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
+from dspark_jax.sampling import SamplingParams
 from dspark_jax.speculative.cost_model import fit_additive_cost
 from dspark_jax.speculative.step import SpecInputs
 
@@ -48,6 +61,48 @@ def steady_inputs(eng: SpeculativeEngine, bs: int, K: int, context: int):
     return T, S, jax.device_put(inp)
 
 
+def device_round_seconds(eng: SpeculativeEngine, bs: int, K: int, args) -> tuple[int, float]:
+    """(tier, median seconds) of the compiled round alone on a steady batch."""
+    T, S, inp = steady_inputs(eng, bs, K, args.context)
+    fn = eng._compiled_spec(T, S)
+
+    def run():
+        out, eng.tcache, eng.dcache = fn(eng.target_state, eng.drafter_state, eng.tcache, eng.dcache, inp,
+                                         eng.sts_temperatures)
+        jax.block_until_ready(out.bonus)
+
+    t = time_fn(run, warmup=3, iters=args.iters)
+    for i in range(bs):
+        eng.pool.free(("profile", i))
+    return T, t
+
+
+def engine_round_seconds(eng: SpeculativeEngine, bs: int, K: int, args, rng) -> tuple[int, float]:
+    """(tier, median round period) of bs requests decoding through the engine with budget K."""
+    G = eng.gamma
+    eng.spec.forced_budget = K
+    rounds = args.warmup + args.iters
+    params = SamplingParams(max_new_tokens=(rounds + 4) * (G + 1), ignore_eos=True)
+    vocab = eng.config.vocab_size
+    ids = [eng.add_request(rng.integers(10, vocab, size=args.context).tolist(), params) for _ in range(bs)]
+    reqs = [eng.get_request(i) for i in ids]
+    log = eng.stats["round_log"]
+    log.clear()
+    try:
+        while sum(1 for b, k, _, _ in log if b == bs and k == K) < rounds:
+            if any(r.status is Status.FINISHED for r in reqs):
+                raise RuntimeError(f"a profiling request finished early at bs {bs}, K {K}: raise max_model_len")
+            eng.step()
+    finally:
+        for i in ids:
+            eng.abort(i)
+        while eng.has_unfinished():
+            eng.step()
+        eng.spec.forced_budget = None
+    cell = [(t, s) for b, k, t, s in log if b == bs and k == K][args.warmup:]
+    return cell[0][0], float(np.median([s for _, s in cell]))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", required=True)
@@ -55,7 +110,9 @@ def main(argv=None):
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
     ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=20, help="timed rounds (engine) or repeats (device) per cell")
+    ap.add_argument("--warmup", type=int, default=6, help="engine method: rounds dropped per cell")
+    ap.add_argument("--method", choices=("engine", "device"), default="engine")
     ap.add_argument("--m-bin", type=int, default=64)
     ap.add_argument("--tag", default="")
     ap.add_argument("--out-dir", action="append", default=[])
@@ -65,30 +122,25 @@ def main(argv=None):
     mx = max(args.batch_sizes)
     eng = SpeculativeEngine.from_pretrained(
         args.model_path, args.draft_model_path,
-        EngineConfig(max_running_requests=mx, max_model_len=args.context + 64, precompile=False),
+        EngineConfig(max_running_requests=mx, max_model_len=args.context + (args.warmup + args.iters + 8) * 16 + 64,
+                     max_prefill_tokens=2048, max_prefill_seqs=16),
         SpeculativeConfig(mode="compact"))
     G = eng.gamma
+    rng = np.random.default_rng(0)
     cells = []
     for bs in tqdm(args.batch_sizes, desc="batch sizes"):
         for f in args.fractions:
             K = int(round(f * bs * G))
-            T, S, inp = steady_inputs(eng, bs, K, args.context)
-            fn = eng._compiled_spec(T, S)
-
-            def run():
-                out, eng.tcache, eng.dcache = fn(eng.target_state, eng.drafter_state, eng.tcache, eng.dcache, inp,
-                                                 eng.sts_temperatures)
-                jax.block_until_ready(out.bonus)
-
-            t = time_fn(run, warmup=3, iters=args.iters)
+            if args.method == "engine":
+                T, t = engine_round_seconds(eng, bs, K, args, rng)
+            else:
+                T, t = device_round_seconds(eng, bs, K, args)
             cells.append({"bs": bs, "K": K, "M": bs + K, "tier": T, "seconds": t})
-            for i in range(bs):
-                eng.pool.free(("profile", i))
     fit = fit_additive_cost([(c["bs"], c["M"], c["seconds"]) for c in cells], m_bin=args.m_bin)
     for c, p in zip(cells, fit.predicted_seconds):
         c["predicted_seconds"] = float(p)
     rel = np.abs(fit.residual_seconds) / np.array([c["seconds"] for c in cells])
-    payload = {"env": env, "gamma": G, "context": args.context, "cells": cells, "table": fit.table.to_dict(),
+    payload = {"env": env, "method": args.method, "gamma": G, "context": args.context, "cells": cells, "table": fit.table.to_dict(),
                "rms_seconds": fit.rms_seconds, "r_squared": fit.r_squared, "max_relative_error": float(rel.max()),
                "median_relative_error": float(np.median(rel))}
     name = f"sps_table_{env['platform']}{args.tag}"
@@ -96,7 +148,8 @@ def main(argv=None):
         d.mkdir(parents=True, exist_ok=True)
         fit.table.save(d / f"{name}.table.json")
     md = [f"# SPS cost table ({env['device']}, jax {env['jax']}, {env['date']}, commit {env['commit']})\n",
-          f"gamma {G}, context {args.context}; fit R^2 {fit.r_squared:.4f}, median |pred-meas|/meas "
+          f"method {args.method} (engine: round period in the engine's own loop, host work included; "
+          f"device: the round executable alone); gamma {G}, context {args.context}; fit R^2 {fit.r_squared:.4f}, median |pred-meas|/meas "
           f"{np.median(rel):.1%}, max {rel.max():.1%}.\n",
           "| bs | K | M | tier | measured ms | predicted ms |", "|---:|---:|---:|---:|---:|---:|"]
     md += [f"| {c['bs']} | {c['K']} | {c['M']} | {c['tier']} | {c['seconds'] * 1e3:.3f} | {c['predicted_seconds'] * 1e3:.3f} |"

@@ -73,6 +73,9 @@ class SpeculativeConfig:
     # executables; a 64-request batch at gamma 7 gets 192, 320, 384, 448 besides 256 and 512);
     # 0: ladder tiers only.
     tier_step: int | None = None
+    # Profiling (benchmarks/profile_sps.py): compact rounds verify exactly this many draft tokens
+    # beyond the anchors (capped at bs * gamma) instead of the scheduler's budget.
+    forced_budget: int | None = None
 
 
 @dataclasses.dataclass
@@ -83,6 +86,8 @@ class _Round:
     slots: np.ndarray
     generations: np.ndarray
     step: int
+    budget: int
+    tier: int
     predicted_s: float | None
     dispatched_at: float
 
@@ -151,7 +156,7 @@ class SpeculativeEngine(Engine):
         self._slot_of: dict[str, int] = {}
         self._slot_gen = np.full(self.ec.max_running_requests, -1, np.int64)
         self._gen_counter = 0
-        self.stats = new_round_stats("predicted_step_s", "measured_step_s")
+        self.stats = new_round_stats("predicted_step_s", "measured_step_s", "round_log")
         from dspark_jax.calibration.metrics import ConfidenceMetricsAccumulator
 
         # Online calibration of the confidence head, where labels are uncensored (full-block verify).
@@ -266,6 +271,9 @@ class SpeculativeEngine(Engine):
             lagged = self.scheduler_conf.lagged(step, generations, slots=slots)
             decision = self.scheduler_conf.decide_budget(lagged.survival, lagged.fresh)
             K, predicted = decision.budget, decision.predicted_step_seconds
+            if self.spec.forced_budget is not None:
+                K = min(int(self.spec.forced_budget), bs * G)
+                predicted = self.spec.cost_table.predict(bs, K) if self.spec.cost_table is not None else None
         T = self.tiers.tier_for(bs, K) if self.spec.mode == "compact" else self.tiers.round_up(bs * (G + 1))
         S = min(T, self.ec.max_running_requests)
         pad = lambda a, dt: np.concatenate([np.asarray(a, dt), np.zeros(S - bs, dt)])
@@ -288,7 +296,7 @@ class SpeculativeEngine(Engine):
                                            self.sts_temperatures)
         for x in jax.tree.leaves((out[:7], out.estimate)):  # what _read needs; the fed arrays stay on device
             x.copy_to_host_async()
-        return _Round(reqs, out, slots, generations, step, predicted, t0)
+        return _Round(reqs, out, slots, generations, step, K, T, predicted, t0)
 
     def _read(self, rnd: _Round):
         """Read a dispatched round (the one host sync per round) and commit its tokens."""
@@ -296,11 +304,15 @@ class SpeculativeEngine(Engine):
         host, estimate = jax.device_get((tuple(rnd.out[:7]), rnd.out.estimate))
         out = SpecOutputs(*host, None, None, estimate)
         now = time.perf_counter()
+        # The round's cost as the engine sees it: from its dispatch or the previous read, whichever
+        # came later, to this read.  Overlapped, that is the period between reads (device time or
+        # host time, whichever bounds the loop); otherwise dispatch-to-read.  The cost table is
+        # profiled on this same quantity (benchmarks/profile_sps.py), so predictions compare to it.
+        measured = now - max(rnd.dispatched_at, self._last_read_at)
+        self.stats["round_log"].append((len(rnd.reqs), rnd.budget, rnd.tier, measured))
         if rnd.predicted_s is not None:  # predicted vs measured step time, for checking the cost table
-            # The device ran this round from its dispatch or the previous round's end, whichever
-            # came later (an overlapped round queues behind the one being read).
             self.stats["predicted_step_s"].append(rnd.predicted_s)
-            self.stats["measured_step_s"].append(now - max(rnd.dispatched_at, self._last_read_at))
+            self.stats["measured_step_s"].append(measured)
         self._last_read_at = now
         # Rows of requests that finished in an earlier round ran past their end: keep them out of
         # the calibration data (the scheduler's lag ring drops them by slot generation).

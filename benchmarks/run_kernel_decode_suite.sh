@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The 8B decode step and the attention kernel measured on the GPU, in one device command (<= 10 min):
+#
+#   benchmarks/run_kernel_decode_suite.sh
+#
+#   profile  per-kernel device times of the batch-1 decode step (benchmarks/profile_decode_step.py),
+#            once per attention backend (pallas, reference): slow kernels vs gaps between kernels
+#   decode   benchmarks/bench_decode.py at DECODE_BATCHES (chained and synced step times, HBM floor)
+#   ratio    verify / decode cost of the kernel's options over batch <= 16 and every context
+#            (benchmarks/bench_ragged_paged_attention.py --ratio), until the budget runs out
+#   bench    the full kernel benchmark (bench_ragged_paged_attention.py --bench --defaults)
+#
+# Results land in $OUT (default runs/kernel-decode-suite), packed into kernel-decode-suite.tgz (the
+# device tool returns only a few files).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+T0=$(date +%s)
+BUDGET=${BUDGET:-585}
+OUT=${OUT:-runs/kernel-decode-suite}
+STAGES=${STAGES:-profile decode ratio}
+DECODE_BATCHES=${DECODE_BATCHES:-1 4 16}
+RATIO_ARMS=${RATIO_ARMS:-w4s3,flat_vec,carry_bn64,combo}
+RATIO_CONTEXTS=${RATIO_CONTEXTS:-8192 32768 2048 512 4096 16384}
+PYTHON=${PYTHON:-python3}
+export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
+export GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+mkdir -p "$OUT"
+left() { echo $((BUDGET - ($(date +%s) - T0))); }
+
+for stage in $STAGES; do
+  echo "== $stage ($(left)s left)"
+  case $stage in
+    profile)
+      for backend in pallas reference; do
+        timeout 120 "$PYTHON" benchmarks/profile_decode_step.py --batch-size 1 --attention-backend "$backend" \
+            --out-dir "$OUT" > "$OUT/profile_$backend.log" 2>&1 || echo "profile $backend failed"
+        tail -n 40 "$OUT/profile_$backend.log"
+      done
+      ;;
+    decode)
+      # shellcheck disable=SC2086
+      timeout 200 "$PYTHON" benchmarks/bench_decode.py --batch-sizes $DECODE_BATCHES --new-tokens 32 \
+          --out-dir "$OUT" > "$OUT/decode.log" 2>&1 || echo "decode cut short or failed"
+      tail -n 12 "$OUT/decode.log"
+      ;;
+    ratio)
+      t=$(( $(left) - 10 ))
+      # shellcheck disable=SC2086
+      timeout "$t" "$PYTHON" benchmarks/bench_ragged_paged_attention.py --ratio --ratio-deadline $((t - 45)) \
+          --arms "$RATIO_ARMS" --ratio-batches 4 16 1 --ratio-contexts $RATIO_CONTEXTS \
+          --out "$OUT" --git-commit "$GIT_COMMIT" > "$OUT/kernel_ratio.log" 2>&1 || echo "kernel ratio cut short or failed"
+      tail -n 40 "$OUT/kernel_ratio.log"
+      ;;
+    bench)
+      t=$(( $(left) - 10 ))
+      timeout "$t" "$PYTHON" benchmarks/bench_ragged_paged_attention.py --check --bench --defaults \
+          --deadline $((t - 60)) --out "$OUT" --git-commit "$GIT_COMMIT" > "$OUT/kernel_bench.log" 2>&1 \
+          || echo "kernel bench cut short or failed"
+      tail -n 30 "$OUT/kernel_bench.log"
+      ;;
+    *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+done
+echo "done at $(( $(date +%s) - T0 ))s"
+tar -C "$OUT" -czf /tmp/kernel-decode-suite.tgz . && find "$OUT" -mindepth 1 -delete && mv /tmp/kernel-decode-suite.tgz "$OUT/"
