@@ -533,21 +533,26 @@ def write_results(out_dir, meta, rows, tune_log, check_ok):
 RATIO_ARMS = {
     "base": (
         {}, {},
-        "kernel defaults: decode bn128/w4/s3, verify (32-row tile) bn128/w8/s2"),
+        "kernel defaults (block_config): decode bn128/w4/s3; verify w4/s3, and for <= 8 sequences "
+        "bn64 with carried page ids"),
+    "prev_default": (
+        {}, {"num_warps": 8, "num_stages": 2, "page_lookup": "inline", "block_n": 128},
+        "the verify default before 2026-12-01: bn128/w8/s2, inline page ids"),
     "w4s3": (
-        {}, {"num_warps": 4, "num_stages": 3},
-        "verify with the decode tile parameters (4 warps, 3 stages)"),
+        {}, {"num_warps": 4, "num_stages": 3, "page_lookup": "inline", "block_n": 128},
+        "verify with the decode tile parameters (bn128, 4 warps, 3 stages, inline page ids)"),
     "flat_vec": (
         {"addressing": "flat", "prologue": "vector"},
-        {"addressing": "flat", "prologue": "vector", "num_warps": 4, "num_stages": 3},
+        {"addressing": "flat", "prologue": "vector", "num_warps": 4, "num_stages": 3, "page_lookup": "inline",
+         "block_n": 128},
         "int32 row addressing of a [rows, D] view + vector prologue; verify w4/s3"),
     "carry": (
         {"page_lookup": "carry", "num_warps": 4, "num_stages": 2},
-        {"page_lookup": "carry", "num_warps": 8, "num_stages": 2},
+        {"page_lookup": "carry", "num_warps": 8, "num_stages": 2, "block_n": 128},
         "page ids of tile j+1 loaded in iteration j; decode w4/s2, verify w8/s2"),
     "carry_s3": (
         {"page_lookup": "carry", "num_warps": 4, "num_stages": 3},
-        {"page_lookup": "carry", "num_warps": 8, "num_stages": 3},
+        {"page_lookup": "carry", "num_warps": 8, "num_stages": 3, "block_n": 128},
         "carried page ids + 3 stages (two K/V tiles in flight per program)"),
     "carry_bn64": (
         {"page_lookup": "carry", "block_n": 64, "num_warps": 4, "num_stages": 3},
@@ -558,10 +563,10 @@ RATIO_ARMS = {
         {"page_lookup": "carry", "block_n": 64, "num_warps": 4, "num_stages": 4},
         "as carry_bn64, verify with 4 stages (three 64-token K/V tiles buffered)"),
     "bq4": (
-        {}, {"block_q": 4, "num_warps": 4, "num_stages": 3},
+        {}, {"block_q": 4, "num_warps": 4, "num_stages": 3, "page_lookup": "inline", "block_n": 128},
         "verify split into 16-row (4-token) q blocks with the decode tile; K/V read twice"),
     "waves2": (
-        {}, {"split_target_waves": 2.0},
+        {}, {"split_target_waves": 2.0, "num_warps": 8, "num_stages": 2, "page_lookup": "inline", "block_n": 128},
         "verify splits the KV range for 2 waves of programs instead of 4 (longer programs)"),
     "combo": (
         {"addressing": "flat", "prologue": "vector", "page_lookup": "carry", "block_n": 64,

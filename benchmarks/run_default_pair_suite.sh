@@ -56,7 +56,7 @@ for stage in $STAGES; do
       done
       ;;
     sps)
-      timeout 150 "$PYTHON" benchmarks/profile_sps.py --model-path "$TARGET" --draft-model-path "$DRAFTER" \
+      timeout 200 "$PYTHON" benchmarks/profile_sps.py --model-path "$TARGET" --draft-model-path "$DRAFTER" \
           --out-dir "$OUT" > "$OUT/sps.log" 2>&1 || echo "sps failed"
       tail -n 3 "$OUT/sps.log"
       ;;

@@ -79,20 +79,40 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     def append_tokens(self, ids) -> list[int]:
-        """Commit generated tokens one by one, stopping at the first stop condition.
+        """Commit generated tokens, stopping at the first stop condition.
 
         Returns the ids actually committed (a multi-token commit, as speculative decoding
         produces, is cut at an EOS or stop string inside it)."""
-        committed = []
-        for t in ids:
-            if self.status is Status.FINISHED:
+        if self.status is Status.FINISHED:
+            return []
+        ids = [int(t) for t in ids]
+        if ids and self.t_first_token is None:
+            self.t_first_token = time.perf_counter()
+        if self.params.stop:  # stop strings: detokenize token by token to cut at the exact one
+            committed = []
+            for t in ids:
+                if self.status is Status.FINISHED:
+                    break
+                self.output_ids.append(t)
+                committed.append(t)
+                self._check_stop(t)
+            return committed
+        # No stop strings: find the cut from the ids alone, then detokenize the whole run in one
+        # call (a speculative round commits up to gamma + 1 tokens per request).
+        room = self.max_new - len(self.output_ids)
+        n, reason = min(len(ids), room), None
+        for i, t in enumerate(ids[:n]):
+            if t in self.stop_ids:
+                n, reason = i + 1, "stop"
                 break
-            t = int(t)
-            if self.t_first_token is None:
-                self.t_first_token = time.perf_counter()
-            self.output_ids.append(t)
-            committed.append(t)
-            self._check_stop(t)
+        committed = ids[:n]
+        self.output_ids.extend(committed)
+        if self.decoder is not None and committed:
+            self.text += self.decoder.push(committed)
+        if reason is None and len(self.output_ids) >= self.max_new:
+            reason = "length"
+        if reason is not None:
+            self.finish(reason)
         return committed
 
     def _check_stop(self, t: int) -> None:

@@ -151,6 +151,9 @@ def _num_sms() -> int:
     return _DEFAULT_NUM_SMS
 
 
+SMALL_BATCH_SEQS = 8  # verify tiles for at most this many sequences use the small-batch knobs
+
+
 def block_config(
     num_tokens: int,
     num_seqs_max: int,
@@ -173,38 +176,37 @@ def block_config(
     max_splits: int = 32,
     addressing: str = "paged",
     prologue: str = "scalar",
-    page_lookup: str = "inline",
+    page_lookup: str | None = None,
 ) -> BlockConfig:
     """Pure function of static shapes: the block sizes the kernel uses for this problem.
 
-    Defaults were tuned on the H200 (bf16, head_dim 128, page size 16; see
-    benchmarks/results/ragged_paged_attention_h200_tune_log.txt): 128-token KV tiles, 4 warps
-    and 3 stages for 16-row q tiles (decode), 8 warps and 2 stages for larger ones (verify);
-    the KV range is split only when ``q blocks x Hkv`` programs are fewer than the SMs, and then
-    into enough splits for ``split_target_waves`` programs per SM.  These are the settings
-    benchmarks/results/ragged_paged_attention_h200.md was measured with.  Lead, not yet
-    adopted: on a 2 GB pool, 4 warps / 2 stages beat 8 / 2 for 32-row tiles by 3-7%
-    (ragged_paged_attention_h200_verify_tile_log.txt); re-check on a > 4 GB pool first.
+    Defaults, tuned on the H200 (bf16, head_dim 128, page size 16):
 
-    Open question (verify at q_len 8 costs 1.4-1.6x decode at batch <= 16 on a 32 GiB pool,
-    1.13-1.19x on a 2 GB one).  Lowering the kernel for CUDA on a CPU machine and compiling
-    the Triton IR with stock Triton 3.6 + ptxas for sm_90a (a stand-in for the Triton that
-    jaxlib bundles, so a lead to re-check on the GPU) gave, for the 32-row verify tile with
-    8 warps / 2 stages: 144 registers per thread with the int64 offsets of a > 4 GiB pool,
-    128 with the int32 offsets of a small one.  At 256 threads, 128 registers fit 2 programs
-    per SM and 144 only 1; the 16-row decode tile (4 warps / 3 stages, 168 registers, 72 KB of
-    shared memory) runs 3 per SM on either pool.  With the "inline" page lookup the pipeliner
-    keeps at most one K/V tile in flight per program, so programs per SM set the bytes in
-    flight, and the short programs of a split KV range cannot hide their start-up latency.
-    ``addressing``, ``prologue`` and ``page_lookup`` (module constants above) are the knobs
-    benchmarks/bench_ragged_paged_attention.py --ratio compares against these defaults.
+    * decode (16-row q tiles): 128-token KV tiles, 4 warps, 3 stages, page ids looked up inline
+      (benchmarks/results/ragged_paged_attention_h200_tune_log.txt);
+    * verify (larger q tiles, bf16): 4 warps and 3 stages, like decode.  For at most
+      SMALL_BATCH_SEQS sequences, also 64-token KV tiles with the next tile's page ids loaded one
+      iteration ahead (``page_lookup="carry"``).  From the verify/decode study over batch 1/4/16
+      and context 512..32k on a 48 GiB pool
+      (benchmarks/results/ragged_paged_attention_h200_ratio.md): the former default (8 warps,
+      2 stages) cost up to 1.63x decode at q_len 8; 4 warps / 3 stages at most 1.21x at batch 16
+      but 1.36x at batch 4; carried page ids with 64-token tiles at most 1.31x at batch <= 4 and
+      1.30x at batch 16.  Each rule here takes the better arm for its batch range.  (At 8 warps
+      / 2 stages the 32-row tile with the int64 offsets of a > 4 GiB pool needs 144 registers
+      per thread, so only one program fits per SM; at 4 warps the tile fits three.)
+    * fp32: 32-token KV tiles; 8 warps / 2 stages for verify tiles (not re-tuned).
+
+    The KV range is split only when ``q blocks x Hkv`` programs are fewer than the SMs, and then
+    into enough splits for ``split_target_waves`` programs per SM.  ``addressing``,
+    ``prologue`` and ``page_lookup`` (module constants above) are the knobs
+    benchmarks/bench_ragged_paged_attention.py --ratio compares.
     """
     T, S, P = int(num_tokens), int(num_seqs_max), int(pages_per_seq)
     if addressing not in ADDRESSING:
         raise ValueError(f"addressing must be one of {ADDRESSING}, got {addressing!r}")
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
-    if page_lookup not in PAGE_LOOKUPS:
+    if page_lookup is not None and page_lookup not in PAGE_LOOKUPS:
         raise ValueError(f"page_lookup must be one of {PAGE_LOOKUPS}, got {page_lookup!r}")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"query heads {num_q_heads} not a multiple of kv heads {num_kv_heads}")
@@ -221,14 +223,17 @@ def block_config(
     if not _is_pow2(block_q):
         raise ValueError(f"block_q must be a power of two, got {block_q}")
     block_m = max(16, block_q * gp)
+    small_verify = block_m > 16 and itemsize < 4 and S <= SMALL_BATCH_SEQS
+    if page_lookup is None:
+        page_lookup = "carry" if small_verify else "inline"
     if block_n is None:
-        block_n = 32 if itemsize >= 4 else 128
+        block_n = 32 if itemsize >= 4 else (64 if small_verify else 128)
     if not _is_pow2(block_n) or block_n < 16:
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     if num_warps is None:
-        num_warps = 4 if block_m <= 16 else 8
+        num_warps = 4 if block_m <= 16 or itemsize < 4 else 8
     if num_stages is None:
-        num_stages = 3 if block_m <= 16 and itemsize < 4 else 2
+        num_stages = 3 if itemsize < 4 else 2
         # K and V tiles per pipeline stage must fit the 227 KB of shared memory per SM.
         while num_stages > 1 and 2 * block_n * head_dim * itemsize * num_stages > 200 * 1024:
             num_stages -= 1
@@ -467,7 +472,7 @@ def ragged_paged_attention(
     num_stages: int | None = None,
     addressing: str = "paged",
     prologue: str = "scalar",
-    page_lookup: str = "inline",
+    page_lookup: str | None = None,
 ) -> jax.Array:
     """Pallas (Triton backend) ragged paged attention; semantics of the reference.
 
