@@ -57,7 +57,7 @@ def steady_inputs(eng: SpeculativeEngine, bs: int, K: int, context: int):
     z = lambda dt: np.zeros(S, dt)
     inp = SpecInputs(np.where(live, 5, 0).astype(np.int32), np.where(live, context, 0).astype(np.int32), table, live,
                      np.int32(bs), np.int32(K), z(np.float32), z(np.int32), np.ones(S, np.float32), z(np.uint32),
-                     *eng._no_feed, np.bool_(False), np.full((S, eng.gamma + 1, 0), -1, np.int32))
+                     *eng._no_feed, np.full(S, -1, np.int32), np.full((S, eng.gamma + 1, 0), -1, np.int32))
     return T, S, jax.device_put(inp)
 
 

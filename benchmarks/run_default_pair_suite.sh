@@ -57,7 +57,7 @@ for stage in $STAGES; do
       ;;
     sps)
       timeout 200 "$PYTHON" benchmarks/profile_sps.py --model-path "$TARGET" --draft-model-path "$DRAFTER" \
-          --out-dir "$OUT" > "$OUT/sps.log" 2>&1 || echo "sps failed"
+          ${SPS_ARGS:-} --out-dir "$OUT" > "$OUT/sps.log" 2>&1 || echo "sps failed"
       tail -n 3 "$OUT/sps.log"
       ;;
     bench)

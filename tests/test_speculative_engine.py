@@ -125,6 +125,33 @@ def test_requests_done_at_their_first_token_free_their_slot(pair, plain):
     assert [r.token_ids for r in eng.generate(prompts[:6], GREEDY)] == [r.token_ids for r in plain.generate(prompts[:6], GREEDY)]
 
 
+@pytest.mark.parametrize("mode", ["static", "compact"])
+def test_overlap_survives_requests_leaving_the_batch(pair, plain, mode):
+    """Requests with different lengths leave the batch one by one; the next round is still
+    dispatched before the in-flight one is read (the leavers' rows dropped, the others fed on
+    device from their rows of the in-flight round), and every output equals plain greedy."""
+    target, tok, drafter = pair
+    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC), SpeculativeConfig(mode=mode, cost_table=TABLE))
+    assert eng.overlap
+    shrunk = []
+    dispatch = eng._dispatch_round
+
+    def spy(reqs, prev):
+        if prev is not None and len(reqs) < len(prev.reqs):
+            shrunk.append((len(prev.reqs), len(reqs)))
+        return dispatch(reqs, prev)
+
+    eng._dispatch_round = spy
+    prompts = _prompts(target.config.vocab_size, 4, seed=21)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (6, 13, 22, 31)]
+    got = eng.generate(prompts, params)
+    want = plain.generate(prompts, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert shrunk  # a smaller batch was dispatched on top of an unread round
+    eng.pool.check_invariants()
+    assert eng.pool.num_free_pages == eng.pool.num_usable_pages
+
+
 def test_compact_and_cap_accept_commit_identical_tokens(pair):
     target, tok, drafter = pair
     prompts = _prompts(target.config.vocab_size, 6, seed=5)

@@ -10,15 +10,16 @@ Modes: static (verify the whole block), compact (verify each request's scheduled
 the tier, hence the executable, shrinks with the budget), cap-accept (verify the whole block,
 commit as compact would, report the uncensored ceiling).
 
-Overlap (EngineConfig.overlap): while the batch stays the same, round t+1 is dispatched before
-round t is read, fed on device by round t's next anchors and positions; the host reads round t
-(committed tokens and small statistics: the only device-to-host transfer) while the device runs
-round t+1.  Everything round t+1 needs from the host is known without round t: page tables are
+Overlap (EngineConfig.overlap): round t+1 is dispatched before round t is read, fed on device by
+round t's next anchors and positions (row by row: a request round t did not hold, if any, starts
+from the host's committed state); the host reads round t (committed tokens and small statistics:
+the only device-to-host transfer) while the device runs round t+1.  Requests leaving the batch
+(finished, aborted) do not break the overlap.  Everything round t+1 needs from the host is known without round t: page tables are
 reserved up front, sampling parameters are per request, and the compact budget comes from the
 survival observed `lag` = 2 rounds back, which has been read by then.  A request that finishes in
 round t wasted its share of round t+1, whose output for it is ignored; its K/V writes stay within
 its own reserved pages (the lookahead covers two blocks) and precede, in device order, any reuse
-of those pages.  A change of batch composition reads the in-flight round first.
+of those pages.  A prefill step reads the in-flight round first.
 
 Block-accept estimator (compact mode, SpeculativeConfig.estimate_block_accept): brackets the
 censored ceiling from later rounds' target log-probs (speculative/block_accept.py).  Its probe
@@ -219,7 +220,7 @@ class SpeculativeEngine(Engine):
             R = self.ec.max_running_requests
             inp = SpecInputs(s((S,), i32), s((S,), i32), s((S, self.pages_per_seq), i32), s((S,), np.bool_), s((), i32),
                              s((), i32), s((S,), np.float32), s((S,), i32), s((S,), np.float32), s((S,), np.uint32),
-                             s((R,), i32), s((R,), i32), s((), np.bool_), s((S, self.gamma + 1, self._num_probes), i32))
+                             s((R,), i32), s((R,), i32), s((S,), i32), s((S, self.gamma + 1, self._num_probes), i32))
             self._compiled[key] = self._spec_jit[self.spec.mode].lower(
                 self.target_state, self.drafter_state, self._abstract(self.tcache), self._abstract(self.dcache), inp,
                 self._abstract(self.sts_temperatures), num_tokens=T).compile()
@@ -246,7 +247,7 @@ class SpeculativeEngine(Engine):
     def _decode(self, reqs):
         """One speculative round for the running batch (see the module doc for the overlap)."""
         prev = self._inflight
-        if self.overlap and prev is not None and prev.reqs == reqs:
+        if self.overlap and prev is not None:
             self._inflight = self._dispatch_round(reqs, prev)
             return self._read(prev)
         events = self._drain()
@@ -258,8 +259,9 @@ class SpeculativeEngine(Engine):
         return events
 
     def _dispatch_round(self, reqs, prev: _Round | None) -> _Round:
-        """Dispatch a round; prev: the in-flight round of the same batch, whose device outputs feed
-        the anchors and positions (None: the host's committed state does)."""
+        """Dispatch a round; prev: the in-flight (unread) round, whose device outputs feed the
+        anchors and positions of the requests it holds (None, and for any other request: the
+        host's committed state, which is current because no unread round holds them)."""
         G, bs = self.gamma, len(reqs)
         slots = np.array([self._slot_of[r.id] for r in reqs])
         generations = self._slot_gen[slots].copy()
@@ -278,18 +280,18 @@ class SpeculativeEngine(Engine):
         S = min(T, self.ec.max_running_requests)
         pad = lambda a, dt: np.concatenate([np.asarray(a, dt), np.zeros(S - bs, dt)])
         live, table, temp, top_k, top_p, seed = self._round_inputs(reqs, S)
-        if prev is None:
-            anchor = pad([r.output_ids[-1] for r in reqs], np.int32)
-            start = pad([r.total_len - 1 for r in reqs], np.int32)
-            fed = self._no_feed
-        else:
-            anchor = start = np.zeros(S, np.int32)
-            fed = (prev.out.next_anchor, prev.out.next_start)
+        prev_row = {id(r): i for i, r in enumerate(prev.reqs)} if prev is not None else {}
+        fed_index = np.full(S, -1, np.int32)
+        fed_index[:bs] = [prev_row.get(id(r), -1) for r in reqs]
+        host = fed_index[:bs] < 0
+        anchor = pad([r.output_ids[-1] if h else 0 for r, h in zip(reqs, host)], np.int32)
+        start = pad([r.total_len - 1 if h else 0 for r, h in zip(reqs, host)], np.int32)
+        fed = (prev.out.next_anchor, prev.out.next_start) if prev is not None else self._no_feed
         probes = np.full((S, G + 1, self._num_probes), -1, np.int32)
         if self.estimator is not None:  # never overlapped: the host state is current
             probes[:bs] = self.estimator.probe_tokens([r.id for r in reqs], start[:bs], G + 1)
         inp = SpecInputs(anchor, start, table, live, np.int32(bs), np.int32(K), temp, top_k, top_p, seed, *fed,
-                         np.bool_(prev is not None), probes)
+                         fed_index, probes)
         fn = self._compiled_spec(T, S)
         t0 = time.perf_counter()
         out, self.tcache, self.dcache = fn(self.target_state, self.drafter_state, self.tcache, self.dcache, inp,

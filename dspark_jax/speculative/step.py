@@ -18,8 +18,10 @@ batch composition.
 
 Overlap: a round also returns each request's next anchor and position (padded to the engine's
 slot count R, so every tier's executable shares one shape), and takes the previous round's as
-`fed_anchor` / `fed_start` with `use_fed` set.  The engine dispatches round t+1 on those device
-arrays before it reads round t, so the host never waits between rounds.
+`fed_anchor` / `fed_start`: row i of this round reads row `fed_index[i]` of them, or the host's
+anchor / start where `fed_index[i]` is -1 (a request the previous round did not hold).  The
+engine dispatches round t+1 on those device arrays before it reads round t, so the host never
+waits between rounds, also when requests left the batch in between.
 """
 
 from __future__ import annotations
@@ -51,9 +53,9 @@ class SpecInputs(NamedTuple):
     top_k: jax.Array  # [S]
     top_p: jax.Array  # [S]
     seed: jax.Array  # [S] uint32
-    fed_anchor: jax.Array  # [R] int32 the previous round's next_anchor (used when use_fed)
+    fed_anchor: jax.Array  # [R] int32 the previous round's next_anchor
     fed_start: jax.Array  # [R] int32 the previous round's next_start
-    use_fed: jax.Array  # [] bool: take anchor/start from the fed arrays (rows 0..S-1) instead
+    fed_index: jax.Array  # [S] int32 row of the previous round feeding each row; -1: anchor / start
     probes: jax.Array  # [S, gamma+1, P] int32 block-accept estimator probe tokens (-1: none; P = 0 when off)
 
 
@@ -124,8 +126,9 @@ def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCa
     drafter = nnx.merge(drafter_def, drafter_state)
     cfg = drafter.config
     G, S = cfg.block_size, inp.anchor.shape[0]
-    inp = inp._replace(anchor=jnp.where(inp.use_fed, inp.fed_anchor[:S], inp.anchor),
-                       start=jnp.where(inp.use_fed, inp.fed_start[:S], inp.start))
+    fed, row = inp.fed_index >= 0, jnp.maximum(inp.fed_index, 0)
+    inp = inp._replace(anchor=jnp.where(fed, inp.fed_anchor[row], inp.anchor),
+                       start=jnp.where(fed, inp.fed_start[row], inp.start))
 
     # 1. Draft.
     blk = block_batch(inp, G, cfg.mask_token_id, page_size)

@@ -1,0 +1,76 @@
+"""Where the speculative engine's host time goes: cProfile over one generate call.
+
+The embedded default pair is small enough that its rounds are bound by host work (scheduling,
+input arrays, dispatch, reading and committing), not by the device.  This runs one batch of
+random prompts through a SpeculativeEngine (after a warm-up pass) under cProfile and prints the
+functions by own time and by cumulative time, with the round count, so a change to the host path
+can be judged per round.  Time spent waiting for the device shows up in the array read
+(``_value`` / ``device_get``).
+
+    python benchmarks/profile_host_round.py --batch-size 64 --mode compact --out-dir $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--mode", default="compact", choices=("static", "compact", "cap-accept"))
+    ap.add_argument("--sps-table-path", default=None)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--out-dir", default=None)
+    args = ap.parse_args(argv)
+
+    from dspark_jax.default_model import default_drafter_path, default_model_path
+    from dspark_jax.engine import EngineConfig
+    from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
+    from dspark_jax.sampling import SamplingParams
+    from dspark_jax.speculative.cost_model import load_cost_table
+
+    table = load_cost_table(args.sps_table_path) if args.sps_table_path else None
+    eng = SpeculativeEngine.from_pretrained(
+        default_model_path(), default_drafter_path(),
+        EngineConfig(max_running_requests=args.batch_size, max_model_len=args.prompt_len + args.max_new_tokens + 64),
+        SpeculativeConfig(mode=args.mode, cost_table=table))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(10, eng.config.vocab_size, size=args.prompt_len).tolist() for _ in range(args.batch_size)]
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    eng.generate(prompts, params)  # warm-up
+    rounds0 = eng.stats["rounds"]
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    eng.generate(prompts, params)
+    prof.disable()
+    wall = time.perf_counter() - t0
+    rounds = eng.stats["rounds"] - rounds0
+    buf = io.StringIO()
+    buf.write(f"batch {args.batch_size}, mode {args.mode}: {rounds} rounds in {wall * 1e3:.1f} ms "
+              f"({wall / max(rounds, 1) * 1e3:.3f} ms per round, profiler overhead included)\n")
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("tottime").print_stats(args.top)
+    st.sort_stats("cumtime").print_stats(args.top)
+    text = buf.getvalue()
+    print(text)
+    if args.out_dir:
+        Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.out_dir) / f"host_round_profile_bs{args.batch_size}_{args.mode}.txt").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
