@@ -21,7 +21,7 @@ from dspark_jax.config import Qwen3Config
 from dspark_jax.forward_batch import ForwardBatch
 from dspark_jax.kv_cache import KVCache
 from dspark_jax.layers.attention import paged_attention
-from dspark_jax.layers.norm import RMSNorm
+from dspark_jax.layers.norm import RMSNorm, rms_norm
 from dspark_jax.layers.rotary import apply_rope, rope_cos_sin
 
 
@@ -54,31 +54,37 @@ class Qwen3Attention(nnx.Module):
         self.q_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
 
-    def _qkv(self, x):
-        """x [..., d] -> normed q [..., Hq, D], normed k and v [..., Hkv, D] (before RoPE)."""
+    def _qkv(self, x, cos, sin):
+        """x [..., d] -> q [..., Hq, D], k and v [..., Hkv, D]: q and k RMS-normed and rotated.
+
+        q and k heads are normed and rotated as one [..., Hq + Hkv, D] array (q_norm's weight on
+        the q heads, k_norm's on the k heads): the same arithmetic per element as two separate
+        passes, but one reduction and one elementwise kernel per layer instead of two each, which
+        matters in a launch-bound batch-1 decode step (benchmarks/results/decode_profile_*)."""
         H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
-        q, k, v = jnp.split(qkv, [H * D, (H + Hk) * D], axis=-1)
         lead = x.shape[:-1]
-        q = self.q_norm(q.reshape(*lead, H, D))
-        k = self.k_norm(k.reshape(*lead, Hk, D))
-        return q, k, v.reshape(*lead, Hk, D)
+        qk = qkv[..., : (H + Hk) * D].reshape(*lead, H + Hk, D)
+        weight = jnp.concatenate([jnp.broadcast_to(self.q_norm.weight[...], (H, D)),
+                                  jnp.broadcast_to(self.k_norm.weight[...], (Hk, D))])
+        qk = rms_norm(qk, weight, self.q_norm.eps)
+        qk = apply_rope(qk.reshape(-1, H + Hk, D), cos, sin).reshape(qk.shape)
+        return qk[..., :H, :], qk[..., H:, :], qkv[..., (H + Hk) * D :].reshape(*lead, Hk, D)
 
     def __call__(self, x, cos, sin, cache: KVCache, batch: ForwardBatch, layer, *, backend: str):
         T = x.shape[0]
-        q, k, v = self._qkv(x)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self._qkv(x, cos, sin)
         out, kc, vc = paged_attention(
             q, k, v, cache.k, cache.v, batch, layer, sm_scale=self.head_dim**-0.5, backend=backend
         )
         return self.o_proj(out.reshape(T, -1)), KVCache(kc, vc)
 
     def dense(self, x, cos, sin, mask):
-        """Training path: x [B, L, d] without a cache; mask [B, L, L] (True = may attend)."""
+        """Training path: x [B, L, d] without a cache; mask [B, L, L] (True = may attend);
+        cos / sin [B * L, D] (rows in x's flattened order)."""
         B, L, _ = x.shape
-        q, k, v = self._qkv(x)
-        rope = lambda t: apply_rope(t.reshape(B * L, *t.shape[2:]), cos, sin).reshape(t.shape)
-        out = jax.nn.dot_product_attention(rope(q), rope(k), v, mask=mask[:, None], scale=self.head_dim**-0.5)
+        q, k, v = self._qkv(x, cos, sin)
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=self.head_dim**-0.5)
         return self.o_proj(out.reshape(B, L, -1))
 
 
