@@ -53,14 +53,20 @@ class SamplingParams:
 
 def sampling_arrays(params: list[SamplingParams], seeds: list[int], positions: list[int], rows: int):
     """Host numpy arrays for `sample`, padded to `rows` (padding rows are greedy)."""
-    temp = np.zeros(rows, np.float32)
-    top_k = np.zeros(rows, np.int32)
-    top_p = np.ones(rows, np.float32)
-    seed = np.zeros(rows, np.uint32)
-    pos = np.zeros(rows, np.int32)
-    for i, (p, s, q) in enumerate(zip(params, seeds, positions)):
-        temp[i], top_k[i], top_p[i], seed[i], pos[i] = p.temperature, p.top_k, p.top_p, s, q
-    return temp, top_k, top_p, seed, pos
+    n = len(params)
+
+    def column(values, dtype, fill):
+        # One array from a list (not element-wise numpy assignment: a 64-row decode round
+        # would spend a third of a millisecond on it), padded to `rows`.
+        out = np.full(rows, fill, dtype)
+        out[:n] = np.asarray(values, dtype) if n else []
+        return out
+
+    return (column([p.temperature for p in params], np.float32, 0.0),
+            column([p.top_k for p in params], np.int32, 0),
+            column([p.top_p for p in params], np.float32, 1.0),
+            column(list(seeds), np.uint32, 0),
+            column(list(positions), np.int32, 0))
 
 
 def _filtered_logits(logits, temperature, top_k, top_p):

@@ -227,10 +227,17 @@ class Engine:
         live = np.zeros(S, bool)
         live[:bs] = True
         table = np.zeros((S, P), np.int32)
-        for i, r in enumerate(reqs):
-            table[i] = self.pool.page_table_row(r.id, P)
+        if bs:
+            table[:bs] = [self._page_row(r) for r in reqs]
         temp, top_k, top_p, seed, _ = sampling_arrays([r.params for r in reqs], [r.seed for r in reqs], [0] * bs, S)
         return live, table, temp, top_k, top_p, seed
+
+    def _page_row(self, r) -> np.ndarray:
+        """r's page-table row, built once: admission reserves every page a request can need, so
+        the row never changes while it runs (rebuilding it costs ~4 us per request per round)."""
+        if r.page_row is None:
+            r.page_row = self.pool.page_table_row(r.id, self.pages_per_seq)
+        return r.page_row
 
     def _decode(self, reqs):
         """Decode one token for every running request.
