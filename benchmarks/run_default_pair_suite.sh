@@ -26,12 +26,7 @@ STS_PROMPTS=${STS_PROMPTS:-400}
 TAU_PROMPTS=${TAU_PROMPTS:-200}
 MAX_NEW=${MAX_NEW:-256}
 STAGES=${STAGES:-sts tau sps bench kernel}
-PYTHON=${PYTHON:-python3}
-export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
-# The device's copy of the tree may report a stale HEAD: pass the commit you ran (GIT_COMMIT=...).
-export GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-mkdir -p "$OUT"
-left() { echo $((BUDGET - ($(date +%s) - T0))); }
+. benchmarks/suite_env.sh
 
 for stage in $STAGES; do
   echo "== $stage ($(left)s left)"

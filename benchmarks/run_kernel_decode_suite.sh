@@ -21,11 +21,7 @@ STAGES=${STAGES:-profile decode ratio}
 DECODE_BATCHES=${DECODE_BATCHES:-1 4 16}
 RATIO_ARMS=${RATIO_ARMS:-w4s3,flat_vec,carry_bn64,combo}
 RATIO_CONTEXTS=${RATIO_CONTEXTS:-8192 32768 2048 512 4096 16384}
-PYTHON=${PYTHON:-python3}
-export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
-export GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-mkdir -p "$OUT"
-left() { echo $((BUDGET - ($(date +%s) - T0))); }
+. benchmarks/suite_env.sh
 
 for stage in $STAGES; do
   echo "== $stage ($(left)s left)"
