@@ -89,7 +89,7 @@ def engine_round_seconds(eng: SpeculativeEngine, bs: int, K: int, args, rng) -> 
     log = eng.stats["round_log"]
     log.clear()
     try:
-        while sum(1 for b, k, _, _ in log if b == bs and k == K) < rounds:
+        while sum(1 for b, k, *_ in log if b == bs and k == K) < rounds:
             if any(r.status is Status.FINISHED for r in reqs):
                 raise RuntimeError(f"a profiling request finished early at bs {bs}, K {K}: raise max_model_len")
             eng.step()
@@ -99,7 +99,7 @@ def engine_round_seconds(eng: SpeculativeEngine, bs: int, K: int, args, rng) -> 
         while eng.has_unfinished():
             eng.step()
         eng.spec.forced_budget = None
-    cell = [(t, s) for b, k, t, s in log if b == bs and k == K][args.warmup:]
+    cell = [(t, s) for b, k, t, _, s in log if b == bs and k == K][args.warmup:]
     return cell[0][0], float(np.median([s for _, s in cell]))
 
 

@@ -152,6 +152,27 @@ def test_overlap_survives_requests_leaving_the_batch(pair, plain, mode):
     assert eng.pool.num_free_pages == eng.pool.num_usable_pages
 
 
+def test_forced_budget_verifies_exactly_that_many_drafts(pair, plain):
+    """The SPS profiler's knob: every round of a bs-request batch verifies bs + min(K, bs * gamma)
+    tokens, runs the tier of (bs, K), logs (bs, K, tier, seconds), and stays lossless."""
+    target, tok, drafter = pair
+    G = drafter.config.block_size
+    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC), SpeculativeConfig(mode="compact"))
+    prompts = _prompts(target.config.vocab_size, 3, seed=8)
+    rounds_before = 0
+    for K in (0, 5, 3 * G + 7):
+        eng.spec.forced_budget = K
+        eng.stats["round_log"].clear()
+        got = eng.generate(prompts, GREEDY)
+        assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(prompts, GREEDY)]
+        log = list(eng.stats["round_log"])
+        assert len(log) == eng.stats["rounds"] - rounds_before
+        rounds_before = eng.stats["rounds"]
+        for bs, k, tier, verified, seconds in log:
+            assert k == min(K, bs * G) and verified == bs + k and seconds > 0
+            assert tier == eng.tiers.tier_for(bs, k)
+
+
 def test_compact_and_cap_accept_commit_identical_tokens(pair):
     target, tok, drafter = pair
     prompts = _prompts(target.config.vocab_size, 6, seed=5)

@@ -313,6 +313,11 @@ class Engine:
         t0 = time.perf_counter()
         while any(r.status is not Status.FINISHED for r in reqs):
             self.step()
+        # An overlapped loop dispatched one step ahead for requests that turned out finished:
+        # settle it here, so its time and statistics do not spill into the next call.
+        self._drain()
+        for req in self.scheduler.release_finished():
+            self._requests.pop(req.id, None)
         wall = time.perf_counter() - t0
         n = sum(len(r.output_ids) for r in reqs)
         self.last_generate_stats = {"wall_s": wall, "completion_tokens": n, "tokens_per_s": n / wall if wall else None}

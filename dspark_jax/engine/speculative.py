@@ -311,7 +311,8 @@ class SpeculativeEngine(Engine):
         # host time, whichever bounds the loop); otherwise dispatch-to-read.  The cost table is
         # profiled on this same quantity (benchmarks/profile_sps.py), so predictions compare to it.
         measured = now - max(rnd.dispatched_at, self._last_read_at)
-        self.stats["round_log"].append((len(rnd.reqs), rnd.budget, rnd.tier, measured))
+        # (batch size, budget K, tier, tokens verified, seconds) per round, for profiling.
+        self.stats["round_log"].append((bs, rnd.budget, rnd.tier, int(out.verify_lens[:bs].sum()), measured))
         if rnd.predicted_s is not None:  # predicted vs measured step time, for checking the cost table
             self.stats["predicted_step_s"].append(rnd.predicted_s)
             self.stats["measured_step_s"].append(measured)
