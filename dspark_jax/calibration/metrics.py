@@ -226,15 +226,24 @@ class ConfidenceMetricsAccumulator:
         if survival.shape[1] != self.block_size:
             raise ValueError(f"expected block_size {self.block_size}; got {survival.shape[1]}")
         _check_labels(labels, binary=True)
-        for k in range(self.block_size):
-            p, y = survival[:, k], labels[:, k]
-            ece_bin, auroc_bin = bin_index(p, self.ece_bins), bin_index(p, self.auroc_bins)
-            self.count[k] += np.bincount(ece_bin, minlength=self.ece_bins)
-            self.sum_pred[k] += np.bincount(ece_bin, weights=p, minlength=self.ece_bins)
-            self.sum_label[k] += np.bincount(ece_bin, weights=y, minlength=self.ece_bins)
-            self.pos_hist[k] += np.bincount(auroc_bin[y == 1], minlength=self.auroc_bins)
-            self.neg_hist[k] += np.bincount(auroc_bin[y == 0], minlength=self.auroc_bins)
-            self.sum_sq_error[k] += np.sum((p - y) ** 2)
+        # Every position at once: position k's bins are offset by k * bins in one flat bincount
+        # (an engine folds a round into this on its host loop, once per round).
+        g = self.block_size
+        p, y = survival.ravel(), labels.ravel()
+        positive = y == 1
+
+        def histogram(bins: int, weights=None, select=None):
+            flat = (bin_index(survival, bins) + np.arange(g) * bins).ravel()
+            if select is not None:
+                flat = flat[select]
+            return np.bincount(flat, weights=weights, minlength=g * bins).reshape(g, bins)
+
+        self.count += histogram(self.ece_bins)
+        self.sum_pred += histogram(self.ece_bins, weights=p)
+        self.sum_label += histogram(self.ece_bins, weights=y)
+        self.pos_hist += histogram(self.auroc_bins, select=positive)
+        self.neg_hist += histogram(self.auroc_bins, select=~positive)
+        self.sum_sq_error += np.sum((survival - labels) ** 2, axis=0)
 
     def reliability(self, position: int) -> ReliabilityTable:
         return _table_from_sums(self.count[position], self.sum_pred[position], self.sum_label[position])

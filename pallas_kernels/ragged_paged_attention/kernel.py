@@ -111,8 +111,8 @@ class BlockConfig:
     num_warps: int
     num_stages: int
     # How K/V addresses are formed (``ADDRESSING``), how a program finds its sequence
-    # (``PROLOGUES``) and where page ids are looked up (``PAGE_LOOKUPS``).  The defaults are
-    # the kernel benchmarks/results/ragged_paged_attention_h200.md was measured with.
+    # (``PROLOGUES``) and where page ids are looked up (``PAGE_LOOKUPS``); ``block_config``
+    # picks them per problem (these field defaults are the decode tile's).
     addressing: str = "paged"
     prologue: str = "scalar"
     page_lookup: str = "inline"
@@ -191,9 +191,10 @@ def block_config(
       (benchmarks/results/ragged_paged_attention_h200_ratio.md): the former default (8 warps,
       2 stages) cost up to 1.63x decode at q_len 8; 4 warps / 3 stages at most 1.21x at batch 16
       but 1.36x at batch 4; carried page ids with 64-token tiles at most 1.31x at batch <= 4 and
-      1.30x at batch 16.  Each rule here takes the better arm for its batch range.  (At 8 warps
-      / 2 stages the 32-row tile with the int64 offsets of a > 4 GiB pool needs 144 registers
-      per thread, so only one program fits per SM; at 4 warps the tile fits three.)
+      1.30x at batch 16.  Each rule here takes the better arm for its batch range.  (A lead for
+      why, from compiling the kernel with stock Triton 3.6 for sm_90a on a CPU machine: at
+      8 warps / 2 stages the 32-row tile with the int64 offsets of a > 4 GiB pool needs 144
+      registers per thread, room for one 256-thread program per SM.)
     * fp32: 32-token KV tiles; 8 warps / 2 stages for verify tiles (not re-tuned).
 
     The KV range is split only when ``q blocks x Hkv`` programs are fewer than the SMs, and then
