@@ -61,8 +61,8 @@ class Request:
         self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
         self.text = ""
         self.spec_rounds: list[tuple[int, int, int]] = []  # (accept len, window, block accept len) per round
-        self.spec_extra: dict = {}
-        self.page_row = None  # the engine's page-table row for this request (fixed once admitted)  # engine-specific per-request statistics (e.g. the ceiling estimate)
+        self.spec_extra: dict = {}  # engine-specific per-request statistics (e.g. the ceiling estimate)
+        self.page_row = None  # the engine's page-table row for this request (fixed once admitted)
         self.t_arrival = time.perf_counter()
         self.t_first_token: float | None = None
         self.t_finish: float | None = None

@@ -14,12 +14,13 @@ Overlap (EngineConfig.overlap): round t+1 is dispatched before round t is read, 
 round t's next anchors and positions (row by row: a request round t did not hold, if any, starts
 from the host's committed state); the host reads round t (committed tokens and small statistics:
 the only device-to-host transfer) while the device runs round t+1.  Requests leaving the batch
-(finished, aborted) do not break the overlap.  Everything round t+1 needs from the host is known without round t: page tables are
-reserved up front, sampling parameters are per request, and the compact budget comes from the
-survival observed `lag` = 2 rounds back, which has been read by then.  A request that finishes in
-round t wasted its share of round t+1, whose output for it is ignored; its K/V writes stay within
-its own reserved pages (the lookahead covers two blocks) and precede, in device order, any reuse
-of those pages.  A prefill step reads the in-flight round first.
+(finished, aborted) do not break the overlap.  Everything round t+1 needs from the host is known
+without round t: page tables are reserved up front, sampling parameters are per request, and the
+compact budget comes from the survival observed `lag` = 2 rounds back, which has been read by
+then.  A request that finishes in round t wasted its share of round t+1, whose output for it is
+ignored; its K/V writes stay within its own reserved pages (the lookahead covers two blocks) and
+precede, in device order, any reuse of those pages.  A prefill step reads the in-flight round
+first.
 
 Block-accept estimator (compact mode, SpeculativeConfig.estimate_block_accept): brackets the
 censored ceiling from later rounds' target log-probs (speculative/block_accept.py).  Its probe
