@@ -123,7 +123,8 @@ def report(args, env, rows: list[dict]) -> None:
           f"commit {env['commit']})\n",
           f"Temperature 0, {args.max_new_tokens} new tokens per request, {args.split} prompts; batch 1 = "
           f"{args.single_prompts} prompts one after another. tok/s = generated tokens / wall time (prefill "
-          f"included), median of {args.repeats} passes with the arms interleaved; x none = ratio to the plain engine in this run; accept = tokens committed per round "
+          f"included), median of {args.repeats} passes with the arms interleaved; x none = ratio to the plain "
+          "engine in this run; accept = tokens committed per round "
           "(bonus included); window = verified tokens per request per round (anchor included); step pred/meas = "
           "median predicted vs measured round time (compact with the cost table).\n",
           "| workload | batch | arm | tok/s | x none | accept | window | step pred / meas ms | same tokens |",

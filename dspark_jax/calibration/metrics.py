@@ -231,18 +231,14 @@ class ConfidenceMetricsAccumulator:
         g = self.block_size
         p, y = survival.ravel(), labels.ravel()
         positive = y == 1
-
-        def histogram(bins: int, weights=None, select=None):
-            flat = (bin_index(survival, bins) + np.arange(g) * bins).ravel()
-            if select is not None:
-                flat = flat[select]
-            return np.bincount(flat, weights=weights, minlength=g * bins).reshape(g, bins)
-
-        self.count += histogram(self.ece_bins)
-        self.sum_pred += histogram(self.ece_bins, weights=p)
-        self.sum_label += histogram(self.ece_bins, weights=y)
-        self.pos_hist += histogram(self.auroc_bins, select=positive)
-        self.neg_hist += histogram(self.auroc_bins, select=~positive)
+        flat_bins = lambda bins: (bin_index(survival, bins) + np.arange(g) * bins).ravel()
+        histogram = lambda idx, bins, weights=None: np.bincount(idx, weights, minlength=g * bins).reshape(g, bins)
+        ece_idx, auroc_idx = flat_bins(self.ece_bins), flat_bins(self.auroc_bins)
+        self.count += histogram(ece_idx, self.ece_bins)
+        self.sum_pred += histogram(ece_idx, self.ece_bins, p)
+        self.sum_label += histogram(ece_idx, self.ece_bins, y)
+        self.pos_hist += histogram(auroc_idx[positive], self.auroc_bins)
+        self.neg_hist += histogram(auroc_idx[~positive], self.auroc_bins)
         self.sum_sq_error += np.sum((survival - labels) ** 2, axis=0)
 
     def reliability(self, position: int) -> ReliabilityTable:

@@ -180,9 +180,13 @@ class Engine:
         else:
             reqs = self.scheduler.decode_batch()
             events = self._decode(reqs) if reqs else self._drain()
+        self._release_finished()
+        return events
+
+    def _release_finished(self) -> None:
+        """Give finished requests' slots and KV pages back and forget them."""
         for req in self.scheduler.release_finished():
             self._requests.pop(req.id, None)
-        return events
 
     def _prefill(self, chunks):
         T, S, batch, sampling = self._prefill_inputs(chunks)
@@ -316,8 +320,7 @@ class Engine:
         # An overlapped loop dispatched one step ahead for requests that turned out finished:
         # settle it here, so its time and statistics do not spill into the next call.
         self._drain()
-        for req in self.scheduler.release_finished():
-            self._requests.pop(req.id, None)
+        self._release_finished()
         wall = time.perf_counter() - t0
         n = sum(len(r.output_ids) for r in reqs)
         self.last_generate_stats = {"wall_s": wall, "completion_tokens": n, "tokens_per_s": n / wall if wall else None}
