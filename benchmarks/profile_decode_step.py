@@ -56,7 +56,9 @@ def device_kernel_events(trace_dir: str) -> list[tuple[str, float, float]]:
     return sorted(events, key=lambda e: e[1])
 
 
-def summarize(events, steps: int, top: int) -> dict:
+def summarize(events, steps: int, top: int, sequence: int = 0) -> dict:
+    """Per-step accounting of kernel events; ``sequence`` > 0 also lists the first kernels of the
+    last step in launch order (enough to read one decoder layer's kernels and their gaps)."""
     if not events:
         return {"error": "no device kernel events (CPU run, or the trace format changed)"}
     start = events[0][1]
@@ -73,6 +75,8 @@ def summarize(events, steps: int, top: int) -> dict:
         by_name[name][1] += d
     kernels = sorted(by_name.items(), key=lambda kv: -kv[1][1])
     gaps = np.asarray(gaps) if gaps else np.zeros(1)
+    per_step = len(events) // steps
+    last = events[len(events) - per_step:][:sequence] if sequence else []
     return {
         "kernels_per_step": len(events) / steps,
         "span_us_per_step": (end - start) / steps / 1e3,
@@ -81,6 +85,8 @@ def summarize(events, steps: int, top: int) -> dict:
         "median_gap_us": float(np.median(gaps)) / 1e3,
         "top_kernels": [{"name": n[:160], "calls_per_step": c / steps, "us_per_step": t / steps / 1e3,
                          "us_per_call": t / c / 1e3} for n, (c, t) in kernels[:top]],
+        "sequence": [{"name": n[:160], "us": d / 1e3, "gap_before_us": (s - (ps + pd)) / 1e3 if i else 0.0}
+                     for i, ((n, s, d), (_, ps, pd)) in enumerate(zip(last, last[:1] + last[:-1]))],
     }
 
 
@@ -92,6 +98,7 @@ def main(argv=None):
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--sequence", type=int, default=0, help="list the last step's first N kernels in launch order")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out-dir", default="benchmarks/results")
     args = ap.parse_args(argv)
@@ -118,7 +125,7 @@ def main(argv=None):
         for _ in range(args.steps):
             out = engine.runner.run(batch, samp)
         out.block_until_ready()
-    summary = summarize(device_kernel_events(trace_dir), args.steps, args.top)
+    summary = summarize(device_kernel_events(trace_dir), args.steps, args.top, args.sequence)
     floor_us = weight_bytes_read(cfg) / bw * 1e6
     payload = {"env": env, "shape": args.shape, "batch": bs, "context": ctx, "backend": engine.backend,
                "copy_bandwidth_Bps": bw, "weights_floor_us": floor_us, **summary}
@@ -138,6 +145,10 @@ def main(argv=None):
                "| kernel | calls/step | us/step | us/call |", "|---|---:|---:|---:|"]
         md += [f"| `{k['name'][:90]}` | {k['calls_per_step']:.0f} | {k['us_per_step']:.1f} | {k['us_per_call']:.2f} |"
                for k in summary["top_kernels"]]
+        if summary["sequence"]:
+            md += ["", "Launch order, last step:", "", "| # | kernel | us | gap before us |", "|---:|---|---:|---:|"]
+            md += [f"| {i} | `{k['name'][:90]}` | {k['us']:.2f} | {k['gap_before_us']:.2f} |"
+                   for i, k in enumerate(summary["sequence"])]
     (out_dir / f"{name}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

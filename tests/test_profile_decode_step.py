@@ -24,5 +24,13 @@ def test_summarize_busy_gaps_and_grouping():
     assert out["top_kernels"][0]["calls_per_step"] == 1 and out["top_kernels"][0]["us_per_call"] == pytest.approx(0.01)
 
 
+def test_summarize_launch_sequence_of_last_step():
+    events = [("a", 0.0, 10.0), ("b", 12.0, 3.0), ("a", 30.0, 10.0), ("b", 43.0, 3.0)]
+    seq = summarize(events, steps=2, top=2, sequence=5)["sequence"]
+    assert [k["name"] for k in seq] == ["a", "b"]
+    assert [k["us"] for k in seq] == pytest.approx([0.01, 0.003])
+    assert [k["gap_before_us"] for k in seq] == pytest.approx([0.0, 0.003])  # 43 - (30 + 10) ns
+
+
 def test_summarize_without_device_events():
     assert "error" in summarize([], steps=3, top=5)
