@@ -172,7 +172,7 @@ def block_config(
     max_block_m: int = 64,
     num_sms: int | None = None,
     split_target_waves: float = 4.0,
-    min_tiles_per_split: int = 4,
+    min_split_tokens: int = 512,
     max_splits: int = 32,
     addressing: str = "paged",
     prologue: str = "scalar",
@@ -198,7 +198,12 @@ def block_config(
     * fp32: 32-token KV tiles; 8 warps / 2 stages for verify tiles (not re-tuned).
 
     The KV range is split only when ``q blocks x Hkv`` programs are fewer than the SMs, and then
-    into enough splits for ``split_target_waves`` programs per SM.  ``addressing``,
+    into enough splits for ``split_target_waves`` programs per SM, each covering at least
+    ``min_split_tokens`` KV tokens (at least one tile).  The floor is counted in tokens, not tiles, so
+    that the small-batch verify's 64-token tiles split a context as decode's 128-token tiles do:
+    counted in tiles, q_len 8 at batch 4 and context 4k ran 16 splits of 256 tokens against
+    decode's 8 of 512 and cost 1.44x decode (benchmarks/results/ragged_paged_attention_h200_defaults_3034a99.md).
+    ``addressing``,
     ``prologue`` and ``page_lookup`` (module constants above) are the knobs
     benchmarks/bench_ragged_paged_attention.py --ratio compares.
     """
@@ -250,8 +255,9 @@ def block_config(
         else:
             target = int(split_target_waves * sms)
             max_tiles = -(-(P * page_size) // block_n)
+            tiles_per_split = max(1, min_split_tokens // block_n)
             num_splits = max(
-                1, min(-(-target // programs), max_tiles // min_tiles_per_split, max_splits)
+                1, min(-(-target // programs), max_tiles // tiles_per_split, max_splits)
             )
     return BlockConfig(
         block_q=int(block_q),
