@@ -1,12 +1,15 @@
 """Speculative decoding benchmark: the embedded default pair, every arm, per workload and batch size.
 
-Arms, all in one process on the same prompts at temperature 0 (so every arm commits the very
-same tokens -- the decoding is lossless -- and only the time differs):
+Arms, all in one process on the same prompts at temperature 0 (the decoding is lossless, so every
+arm should commit the plain engine's tokens; in bf16 on a GPU, a verify pass and a decode step
+round differently and a near-tie can flip, which the report shows as the requests that differ and
+where -- rerun with --dtype float32 --matmul-precision highest to tell numerics from a bug):
   none            the plain engine (overlapped decode)
   mtp             the MTP chain drafter (3-1-4: 3 drafts, 4 verify tokens per request)
   static          DSpark, every request verifies its whole block (gamma + 1 rows)
   compact         DSpark, confidence-scheduled windows, no cost table (verify-all budget)
-  compact+table   DSpark compact with the profiled additive cost table (--sps-table-path)
+  compact+table   DSpark compact with the profiled additive cost table (--sps-table-path), its level
+                  corrected online from measured rounds (SpeculativeConfig.step_time_correction)
 
 For each (workload, batch size bs) the first bs held-out prompts of the workload run as one batch
 (bs = 1: --single-prompts prompts one after another).  Every arm's engine lives for the whole run;
@@ -52,7 +55,9 @@ def build_engine(arm: str, target, ec, table):
     sts_path = drafter_sts_path(default_drafter_path())
     sts = StsCalibration.load(sts_path) if sts_path else None
     mode = "static" if arm == "static" else "compact"
-    spec = SpeculativeConfig(mode=mode, sts=sts, cost_table=table if arm == "compact+table" else None)
+    with_table = arm == "compact+table"
+    spec = SpeculativeConfig(mode=mode, sts=sts, cost_table=table if with_table else None,
+                             step_time_correction=0.1 if with_table else None)
     return SpeculativeEngine.from_pretrained(target, default_drafter_path(), ec, spec)
 
 
@@ -74,7 +79,7 @@ def run_cell(engines: dict, groups, max_new: int, repeats: int) -> dict:
     for engine in engines.values():  # host paths, any lazily compiled shape
         timed_pass(engine, groups, max_new)
         stats = getattr(engine, "stats", None)
-        for k in ("predicted_step_s", "measured_step_s"):
+        for k in ("predicted_step_s", "table_step_s", "measured_step_s"):
             if stats is not None and k in stats:
                 stats[k].clear()
     arms = list(engines)
@@ -98,9 +103,12 @@ def run_cell(engines: dict, groups, max_new: int, repeats: int) -> dict:
         stats = getattr(engines[a], "stats", None)
         if stats is not None and stats.get("predicted_step_s"):
             pred, meas = np.asarray(stats["predicted_step_s"]), np.asarray(stats["measured_step_s"])
+            table = np.asarray(stats["table_step_s"])
             cell["step_predicted_ms"] = float(np.median(pred) * 1e3)
             cell["step_measured_ms"] = float(np.median(meas) * 1e3)
             cell["step_median_rel_error"] = float(np.median(np.abs(pred - meas) / meas))
+            cell["step_table_ms"] = float(np.median(table) * 1e3)  # the raw table, no level correction
+            cell["step_table_median_rel_error"] = float(np.median(np.abs(table - meas) / meas))
         cells[a] = cell
     return cells
 
@@ -115,6 +123,11 @@ def report(args, env, rows: list[dict]) -> None:
         if b is not None:
             r["speedup_vs_none"] = r["tok_s"] / b["tok_s"]
             r["same_tokens_as_none"] = r["outputs"] == b["outputs"]
+            # Where outputs part: requests that differ, and the first differing token of each.
+            firsts = [next((i for i, (x, y) in enumerate(zip(o, g)) if x != y), min(len(o), len(g)))
+                      for o, g in zip(r["outputs"], b["outputs"]) if o != g]
+            r["diverged_requests"] = len(firsts)
+            r["first_divergence_tokens"] = firsts
         r.pop("outputs")
         out.append(r)
     rows = out
@@ -126,14 +139,22 @@ def report(args, env, rows: list[dict]) -> None:
           f"included), median of {args.repeats} passes with the arms interleaved; x none = ratio to the plain "
           "engine in this run; accept = tokens committed per round "
           "(bonus included); window = verified tokens per request per round (anchor included); step pred/meas = "
-          "median predicted vs measured round time (compact with the cost table).\n",
-          "| workload | batch | arm | tok/s | x none | accept | window | step pred / meas ms | same tokens |",
+          "median predicted vs measured round time (compact with the cost table; the table's level corrected "
+          "online from measured rounds, the raw table in brackets); same tokens = every request's output equals "
+          "the plain engine's, else how many requests differ and the median token where they first do.\n",
+          f"Engines in {args.dtype or 'the checkpoint dtype'}, matmul precision {args.matmul_precision or 'default'}.\n",
+          "| workload | batch | arm | tok/s | x none | accept | window | step pred (table) / meas ms | same tokens |",
           "|---|---:|---|---:|---:|---:|---:|---:|---|"]
     for r in sorted(rows, key=lambda r: (r["workload"], r["batch"], ARMS.index(r["arm"]))):
-        step = (f"{r['step_predicted_ms']:.3f} / {r['step_measured_ms']:.3f}" if "step_predicted_ms" in r else "")
+        step = (f"{r['step_predicted_ms']:.3f} ({r['step_table_ms']:.3f}) / {r['step_measured_ms']:.3f}"
+                if "step_predicted_ms" in r else "")
+        same = r.get("same_tokens_as_none", "")
+        if same is False:
+            same = (f"no: {r['diverged_requests']}/{r['requests']} differ, from token "
+                    f"{int(np.median(r['first_divergence_tokens']))}")
         md.append(f"| {r['workload']} | {r['batch']} | {r['arm']} | {r['tok_s']:.0f} | "
                   f"{r.get('speedup_vs_none', float('nan')):.2f} | {r.get('accept_length', 1.0):.2f} | "
-                  f"{r.get('window', float('nan')):.2f} | {step} | {r.get('same_tokens_as_none', '')} |")
+                  f"{r.get('window', float('nan')):.2f} | {step} | {same} |")
     for p in write_results(f"speculative_default_{env['platform']}{args.tag}", payload, "\n".join(md) + "\n",
                            args.out_dir):
         print("wrote", p)
@@ -151,9 +172,16 @@ def main(argv=None):
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--repeats", type=int, default=3, help="timed passes per cell (arms interleaved)")
     ap.add_argument("--sps-table-path", type=Path, help="profiled cost table for compact+table")
+    ap.add_argument("--dtype", default=None, help="engine compute dtype (default: the checkpoint's)")
+    ap.add_argument("--matmul-precision", default=None, help="jax_default_matmul_precision, e.g. highest: "
+                    "with --dtype float32, separates numerics from algorithm when outputs differ")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out-dir", action="append", default=[])
     args = ap.parse_args(argv)
+    if args.matmul_precision:
+        import jax
+
+        jax.config.update("jax_default_matmul_precision", args.matmul_precision)
     from dspark_jax.default_model import default_model_path
     from dspark_jax.engine import EngineConfig
     from dspark_jax.speculative.cost_model import load_cost_table
@@ -174,7 +202,7 @@ def main(argv=None):
         if len(tok.encode(p["prompt"])) <= args.max_prompt_tokens:
             by_workload.setdefault(p["workload"], []).append(p["prompt"])
     ec = EngineConfig(max_running_requests=max(args.batch_sizes),
-                      max_model_len=args.max_prompt_tokens + args.max_new_tokens + 32)
+                      max_model_len=args.max_prompt_tokens + args.max_new_tokens + 32, dtype=args.dtype)
     engines, setup = {}, {}
     for arm in arms:
         t0 = time.perf_counter()

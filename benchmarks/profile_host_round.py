@@ -33,6 +33,9 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--corpus", default=None, help="held-out prompts of --workload from this corpus "
+                    "(real acceptance: several tokens committed per request per round); default: random ids")
+    ap.add_argument("--workload", default="math")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
 
@@ -47,20 +50,28 @@ def main(argv=None):
         default_model_path(), default_drafter_path(),
         EngineConfig(max_running_requests=args.batch_size, max_model_len=args.prompt_len + args.max_new_tokens + 64),
         SpeculativeConfig(mode=args.mode, cost_table=table))
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(10, eng.config.vocab_size, size=args.prompt_len).tolist() for _ in range(args.batch_size)]
+    if args.corpus:
+        from training.drafter.selfdistill import SelfDistillConfig, select_prompts
+
+        cfg = SelfDistillConfig(split="heldout", per_workload=4 * args.batch_size, max_prompt_tokens=args.prompt_len)
+        prompts = [p["prompt"] for p in select_prompts(args.corpus, cfg) if p["workload"] == args.workload]
+        prompts = (prompts * args.batch_size)[: args.batch_size]
+    else:
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(10, eng.config.vocab_size, size=args.prompt_len).tolist() for _ in range(args.batch_size)]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     eng.generate(prompts, params)  # warm-up
     rounds0 = eng.stats["rounds"]
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
-    eng.generate(prompts, params)
+    results = eng.generate(prompts, params)
     prof.disable()
     wall = time.perf_counter() - t0
     rounds = eng.stats["rounds"] - rounds0
     buf = io.StringIO()
-    buf.write(f"batch {args.batch_size}, mode {args.mode}: {rounds} rounds in {wall * 1e3:.1f} ms "
+    buf.write(f"batch {args.batch_size}, mode {args.mode}, prompts {args.workload if args.corpus else 'random'}: "
+              f"{rounds} rounds, {sum(len(r.token_ids) for r in results)} tokens in {wall * 1e3:.1f} ms "
               f"({wall / max(rounds, 1) * 1e3:.3f} ms per round, profiler overhead included)\n")
     st = pstats.Stats(prof, stream=buf)
     st.sort_stats("tottime").print_stats(args.top)
@@ -69,7 +80,7 @@ def main(argv=None):
     print(text)
     if args.out_dir:
         Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(args.out_dir) / f"host_round_profile_bs{args.batch_size}_{args.mode}.txt").write_text(text)
+        (Path(args.out_dir) / f"host_round_profile_bs{args.batch_size}_{args.mode}_{args.workload if args.corpus else 'random'}.txt").write_text(text)
 
 
 if __name__ == "__main__":

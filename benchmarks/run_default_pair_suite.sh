@@ -9,7 +9,12 @@
 #   tau      acceptance length by real rounds on the held-out split at T=0 and T=1, DSpark (with
 #            STS: its per-position ECE / AUROC / Brier are the held-out calibration figures) and MTP
 #   sps      the additive step-cost table (benchmarks/profile_sps.py)
-#   bench    every arm at batch 1 / 8 / 64 per workload (benchmarks/bench_speculative.py)
+#   bench    every arm at batch 1 / 8 / 64 per workload (benchmarks/bench_speculative.py; BENCH_ARGS
+#            adds options, TABLE names a cost table other than the sps stage's)
+#   fp32     the equality check again in fp32 with exact matmuls at batch 8 / 64 (no timing claims):
+#            tells bf16 rounding (a near-tie flipping) from an algorithmic difference
+#   host     cProfile of the engine's host loop at batch 64 on held-out math prompts
+#            (benchmarks/profile_host_round.py)
 #   kernel   verify / decode cost ratio of the attention kernel's options (whatever time is left)
 #
 # Results land in $OUT (default runs/default-pair-suite), packed into default-pair-suite.tgz (PACK=0:
@@ -26,6 +31,7 @@ STS_PROMPTS=${STS_PROMPTS:-400}
 TAU_PROMPTS=${TAU_PROMPTS:-200}
 MAX_NEW=${MAX_NEW:-256}
 STAGES=${STAGES:-sts tau sps bench kernel}
+TABLE=${TABLE:-$OUT/sps_table_gpu.table.json}
 . benchmarks/suite_env.sh
 
 for stage in $STAGES; do
@@ -56,11 +62,24 @@ for stage in $STAGES; do
       tail -n 3 "$OUT/sps.log"
       ;;
     bench)
-      table=(); [ -f "$OUT/sps_table_gpu.table.json" ] && table=(--sps-table-path "$OUT/sps_table_gpu.table.json")
+      table=(); [ -f "$TABLE" ] && table=(--sps-table-path "$TABLE")
       arms=none,static,compact+table,compact,mtp; [ ${#table[@]} -eq 0 ] && arms=none,static,compact,mtp
-      timeout $(( $(left) - 60 )) "$PYTHON" benchmarks/bench_speculative.py --corpus "$CORPUS" --arms "$arms" \
-          "${table[@]}" --out-dir "$OUT" > "$OUT/bench.log" 2>&1 || echo "bench cut short or failed"
+      # shellcheck disable=SC2086
+      timeout $(( $(left) - ${BENCH_RESERVE:-60} )) "$PYTHON" benchmarks/bench_speculative.py --corpus "$CORPUS" \
+          --arms "$arms" "${table[@]}" ${BENCH_ARGS:-} --out-dir "$OUT" > "$OUT/bench.log" 2>&1 \
+          || echo "bench cut short or failed"
       tail -n 50 "$OUT/bench.log"
+      ;;
+    fp32)
+      timeout $(( $(left) - ${FP32_RESERVE:-10} )) "$PYTHON" benchmarks/bench_speculative.py --corpus "$CORPUS" \
+          --arms none,static,compact,mtp --batch-sizes 8 64 --repeats 1 --dtype float32 --matmul-precision highest \
+          --tag _fp32_highest --out-dir "$OUT" > "$OUT/bench_fp32.log" 2>&1 || echo "fp32 check cut short or failed"
+      tail -n 20 "$OUT/bench_fp32.log"
+      ;;
+    host)
+      timeout $(( $(left) - 5 )) "$PYTHON" benchmarks/profile_host_round.py --batch-size 64 --mode compact --corpus "$CORPUS" \
+          --workload math --out-dir "$OUT" > "$OUT/host.log" 2>&1 || echo "host profile failed"
+      head -n 45 "$OUT/host.log"
       ;;
     kernel)
       t=$(( $(left) - 5 ))

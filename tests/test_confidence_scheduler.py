@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
@@ -232,6 +230,36 @@ def test_min_gain_guard():
         ConfidenceScheduler(GAMMA, table, min_predicted_gain=-0.1)
 
 
+def test_level_correction_shifts_the_argmax_towards_verify_all():
+    """A table whose level is too low overprices a verified token relative to the whole step.
+    With the learned offset c, K = argmax tau(n) / (T(n) + c), brute-forced here."""
+    table = AdditiveCostTable(5e-4, [1.0, 16.0], [0.0, 1e-4], [0.0, 64.0], [0.0, 1e-3])
+    rows = 8
+    s = np.tile([0.9, 0.8, 0.6, 0.3, 0.1, 0.05, 0.02], (rows, 1))
+    fresh = np.zeros(rows, bool)
+    cands = np.sort(s.ravel())[::-1]
+    tau = rows + np.concatenate([[0.0], np.cumsum(cands)])
+
+    def brute(offset):
+        return int(np.argmax(tau / (table.predict(rows, np.arange(cands.size + 1)) + offset)))
+
+    raw = ConfidenceScheduler(GAMMA, table).decide_budget(s, fresh)
+    assert raw.budget == brute(0.0) < rows * GAMMA
+    sched = ConfidenceScheduler(GAMMA, table, correction_weight=0.5)
+    for measured in (4e-3, 6e-3, 6e-3, 6e-3, 6e-3, 6e-3):  # rounds at batch 8 read by the engine
+        sched.record_step_time(rows, raw.budget, measured)
+    c = sched.correction.offset(rows)
+    target = 6e-3 - table.predict(rows, raw.budget)  # what the table misses at this budget
+    assert 0.7 * target < c <= target + 1e-12
+    got = sched.decide_budget(s, fresh)
+    assert got.budget == brute(c) > raw.budget
+    assert got.predicted_step_seconds == pytest.approx(table.predict(rows, got.budget) + c)
+    # Off (the default of the scheduler itself): recording is a no-op.
+    off = ConfidenceScheduler(GAMMA, table)
+    off.record_step_time(rows, raw.budget, 1.0)
+    assert off.correction is None and off.decide_budget(s, fresh).budget == raw.budget
+
+
 # -- the lag ring ---------------------------------------------------------------------------
 
 
@@ -296,7 +324,7 @@ def test_budget_depends_only_on_lagged_data():
     assert len(set(budgets)) > 1  # the table really trims, by amounts that follow the survival
 
 
-def test_plan_step_record_and_speed():
+def test_plan_step_record():
     rng = np.random.default_rng(3)
     table = AdditiveCostTable(5e-3, [1.0, 64.0, 256.0], [0.0, 1e-3, 4e-3], [0.0, 256.0, 512.0, 1024.0, 2048.0],
                               [0.0, 1e-3, 3e-3, 6e-3, 1.2e-2])
@@ -309,12 +337,7 @@ def test_plan_step_record_and_speed():
     assert rec.batch_size == rows and 0 <= rec.budget <= rows * GAMMA
     assert int(np.sum(rec.verify_lens - 1)) == rec.budget
     assert rec.predicted_step_seconds == pytest.approx(table.predict(rows, rec.budget))
-    t0 = time.perf_counter()
-    n = 50
-    for t in range(3, 3 + n):
-        sched.plan_step(t, surv[t % 4], gens)
-    per_step = (time.perf_counter() - t0) / n
-    assert per_step < 5e-3, f"plan_step took {per_step * 1e3:.2f} ms at R=256 (goal < 1 ms)"
+    # (Its speed at R = 256 is a benchmark's business: benchmarks/profile_host_round.py.)
 
 
 def test_host_modules_do_not_import_jax():

@@ -173,6 +173,29 @@ def test_forced_budget_verifies_exactly_that_many_drafts(pair, plain):
             assert tier == eng.tiers.tier_for(bs, k)
 
 
+def test_level_correction_learns_from_every_read_round_and_stays_lossless(pair, plain):
+    """With step_time_correction the scheduler's offset is the moving average of exactly the rounds
+    the engine read (replayed here from its round log), and greedy output is still plain greedy."""
+    from dspark_jax.speculative.step_time_correction import StepTimeCorrection
+
+    target, tok, drafter = pair
+    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC),
+                            SpeculativeConfig(mode="compact", cost_table=TABLE, step_time_correction=0.3))
+    prompts = _prompts(target.config.vocab_size, 5, seed=11)
+    got = eng.generate(prompts, GREEDY)
+    assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(prompts, GREEDY)]
+    replay = StepTimeCorrection(TABLE.bs_probes, 0.3)
+    for bs, k, _tier, _verified, seconds in eng.stats["round_log"]:
+        replay.update(bs, TABLE.predict(bs, k), seconds)
+    learned = eng.scheduler_conf.correction
+    assert learned.rounds.tolist() == replay.rounds.tolist() and learned.rounds.sum() == eng.stats["rounds"]
+    np.testing.assert_allclose(learned.residual, replay.residual, rtol=1e-12)
+    pred, table = np.asarray(eng.stats["predicted_step_s"]), np.asarray(eng.stats["table_step_s"])
+    assert pred[0] == table[0] and np.any(pred != table)  # no offset before the first read round
+    summ = eng.summary()["step_time"]
+    assert summ["table_mean_s"] == pytest.approx(table.mean())
+
+
 def test_compact_and_cap_accept_commit_identical_tokens(pair):
     target, tok, drafter = pair
     prompts = _prompts(target.config.vocab_size, 6, seed=5)

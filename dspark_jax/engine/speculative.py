@@ -63,6 +63,11 @@ class SpeculativeConfig:
     cost_table: AdditiveCostTable | None = None  # None: verify everything
     lag: int = 2
     min_predicted_gain: float | None = None
+    # Learn the cost table's level from measured rounds (moving-average weight, e.g. 0.1; None:
+    # the raw table).  See dspark_jax/speculative/step_time_correction.py.  Off by default: the
+    # windows then depend on wall-clock timing, so above temperature 0 a fixed seed no longer
+    # reproduces its output run to run (the distribution stays exact; greedy output is unchanged).
+    step_time_correction: float | None = None
     # STS data collection: write (raw confidence logits, accepted-draft counts) shards here.
     # Needs full-block verification (static or cap-accept) and identity temperatures, or the
     # labels would be censored by trimming / the logits already scaled.
@@ -130,7 +135,8 @@ class SpeculativeEngine(Engine):
 
             self._recorder = StsRecorder(self.spec.record_sts_dir, G, self.spec.record_shard_rows)
         self.scheduler_conf = ConfidenceScheduler(G, self.spec.cost_table, lag=self.spec.lag,
-                                                  min_predicted_gain=self.spec.min_predicted_gain)
+                                                  min_predicted_gain=self.spec.min_predicted_gain,
+                                                  correction_weight=self.spec.step_time_correction)
         top = max(self.decode_buckets) * (G + 1)
         step = self.spec.tier_step if self.spec.tier_step is not None else max(64, -(-top // 8 // 64) * 64)
         self.tiers = TokenTiers(G, self.decode_buckets, tier_step=step or None)
@@ -158,7 +164,7 @@ class SpeculativeEngine(Engine):
         self._slot_of: dict[str, int] = {}
         self._slot_gen = np.full(self.ec.max_running_requests, -1, np.int64)
         self._gen_counter = 0
-        self.stats = new_round_stats("predicted_step_s", "measured_step_s", "round_log")
+        self.stats = new_round_stats("predicted_step_s", "table_step_s", "measured_step_s", "round_log")
         from dspark_jax.calibration.metrics import ConfidenceMetricsAccumulator
 
         # Online calibration of the confidence head, where labels are uncensored (full-block verify).
@@ -316,7 +322,10 @@ class SpeculativeEngine(Engine):
         self.stats["round_log"].append((bs, rnd.budget, rnd.tier, int(out.verify_lens[:bs].sum()), measured))
         if rnd.predicted_s is not None:  # predicted vs measured step time, for checking the cost table
             self.stats["predicted_step_s"].append(rnd.predicted_s)
+            self.stats["table_step_s"].append(self.spec.cost_table.predict(bs, rnd.budget))
             self.stats["measured_step_s"].append(measured)
+            if self.spec.forced_budget is None:
+                self.scheduler_conf.record_step_time(bs, rnd.budget, measured)
         self._last_read_at = now
         # Rows of requests that finished in an earlier round ran past their end: keep them out of
         # the calibration data (the scheduler's lag ring drops them by slot generation).
@@ -367,8 +376,11 @@ class SpeculativeEngine(Engine):
         out = {"mode": self.spec.mode, **summarize_rounds(st, self.gamma)}
         if st["predicted_step_s"]:
             pred, meas = np.asarray(st["predicted_step_s"]), np.asarray(st["measured_step_s"])
+            table = np.asarray(st["table_step_s"])
             out["step_time"] = {"predicted_mean_s": float(pred.mean()), "measured_mean_s": float(meas.mean()),
-                                "median_relative_error": float(np.median(np.abs(pred - meas) / meas))}
+                                "median_relative_error": float(np.median(np.abs(pred - meas) / meas)),
+                                "table_mean_s": float(table.mean()),  # the raw table, without the level correction
+                                "table_median_relative_error": float(np.median(np.abs(table - meas) / meas))}
         if self.confidence_metrics is not None and st["accept_lens"]:
             out["confidence"] = self.confidence_metrics.summary()
         if self.estimator is not None:

@@ -7,7 +7,8 @@ The decision has two parts (DSpark paper section 5.2, SGLang's planner):
    survivals of all (request, position) pairs, fresh or recycled slots counting 1 everywhere::
 
        tau(n) = R + a_1 + ... + a_n        expected committed tokens (one bonus per request)
-       T(n)   = table.predict(R, n)        predicted step seconds
+       T(n)   = table.predict(R, n) + c(R) predicted step seconds; c(R) the optional online
+                                           level correction (step_time_correction.py)
        K      = argmax over n = 0..#candidates of tau(n) / T(n)
 
    The argmax is global: tiers make the cost a staircase, so tau/T is not unimodal and a greedy
@@ -57,6 +58,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dspark_jax.speculative.cost_model import AdditiveCostTable
+from dspark_jax.speculative.step_time_correction import StepTimeCorrection
 
 SURVIVAL_EPS = 1e-6  # lagged survivals below this are not budget candidates (as SGLang)
 
@@ -66,7 +68,7 @@ class BudgetDecision:
     budget: int  # K: verify tokens beyond the anchors, in [0, R * gamma]
     num_candidates: int  # lagged survivals >= SURVIVAL_EPS (the argmax range is 0..this)
     expected_tokens: float  # tau(K) on the lagged survival
-    predicted_step_seconds: float | None  # T(R, K); None without a table
+    predicted_step_seconds: float | None  # T(R, K), level correction included; None without a table
     predicted_tokens_per_second: float | None  # tau(K) / T(R, K)
     guard_applied: bool = False  # the min-gain guard overrode the argmax with verify-all
 
@@ -100,10 +102,12 @@ def _survival_matrix(survival, block_size: int, what: str) -> np.ndarray:
 
 class ConfidenceScheduler:
     def __init__(self, block_size: int, cost_table: AdditiveCostTable | None, lag: int = 2,
-                 min_predicted_gain: float | None = None):
+                 min_predicted_gain: float | None = None, correction_weight: float | None = None):
         """block_size: gamma.  cost_table: None means verify all.  lag: steps between the
         survival a budget uses and the step it is for (>= 1; see module doc).
-        min_predicted_gain: g >= 0; trim only if predicted throughput beats verify-all by (1 + g)."""
+        min_predicted_gain: g >= 0; trim only if predicted throughput beats verify-all by (1 + g).
+        correction_weight: learn the table's level online from measured rounds
+        (``record_step_time``; step_time_correction.py) with this moving-average weight; None: off."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if lag < 1:
@@ -114,6 +118,8 @@ class ConfidenceScheduler:
         self.cost_table = cost_table
         self.lag = int(lag)
         self.min_predicted_gain = min_predicted_gain
+        self.correction = (StepTimeCorrection(cost_table.bs_probes, correction_weight)
+                           if cost_table is not None and correction_weight is not None else None)
         self._ring: deque[tuple[int, np.ndarray, np.ndarray]] = deque(maxlen=self.lag + 1)
 
     # -- role 1: the batch budget -------------------------------------------------------
@@ -136,15 +142,21 @@ class ConfidenceScheduler:
         if table is None:
             return BudgetDecision(full, cands.size, float(tau[-1]), None, None)
 
-        step_seconds = table.predict(num_rows, np.arange(cands.size + 1))
+        offset = self.correction.offset(num_rows) if self.correction is not None else 0.0
+        step_seconds = np.maximum(table.predict(num_rows, np.arange(cands.size + 1)) + offset, 1e-9)
         throughput = tau / step_seconds
         k = int(np.argmax(throughput))  # first maximum: ties go to the smaller budget
         if self.min_predicted_gain is not None and k != full:
-            full_seconds = table.predict(num_rows, full)
+            full_seconds = max(table.predict(num_rows, full) + offset, 1e-9)
             full_throughput = float(tau[-1]) / full_seconds  # tau over all candidates ~ tau(full)
             if throughput[k] < full_throughput * (1.0 + self.min_predicted_gain):
                 return BudgetDecision(full, cands.size, float(tau[-1]), full_seconds, full_throughput, True)
         return BudgetDecision(k, cands.size, float(tau[k]), float(step_seconds[k]), float(throughput[k]))
+
+    def record_step_time(self, batch_size: int, budget: int, measured_seconds: float) -> None:
+        """Fold a read round's measured time into the online level correction (if enabled)."""
+        if self.correction is not None:
+            self.correction.update(batch_size, self.cost_table.predict(batch_size, budget), measured_seconds)
 
     def budget(self, lagged_survival, fresh_mask) -> int:
         """K for a step: see ``decide_budget`` for the full record."""
