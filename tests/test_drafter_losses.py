@@ -7,6 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from dspark_jax.drafter.losses import dspark_loss, position_weights, soft_acceptance
 
@@ -59,3 +60,24 @@ def test_masked_positions_carry_no_loss_and_label_is_detached():
     # The confidence gradient does not flow into the draft logits through the label.
     g = jax.grad(lambda dd: dspark_loss(dd, t, jnp.zeros((2, 3), jnp.int32), z, mask, weights=(0.0, 0.0, 1.0)).loss)(d)
     assert float(jnp.abs(g).max()) == 0.0
+
+
+def test_greedy_confidence_label_by_hand():
+    # Position 0: draft argmax 1, target argmax 0 -> greedy label 0 (soft label c* > 0).
+    # Position 1: draft = target -> greedy label 1 (c* = 1 too).
+    d = jnp.array([[[0.0, 1.0, 0.0], [math.log(2), 0.0, 0.0]]])
+    t = jnp.array([[[math.log(2), 0.0, 0.0], [math.log(2), 0.0, 0.0]]])
+    z = jnp.array([[0.5, math.log(3)]])
+    mask = jnp.array([[True, True]])
+    greedy = dspark_loss(d, t, jnp.array([[0, 1]]), z, mask, confidence_label="greedy")
+    soft = dspark_loss(d, t, jnp.array([[0, 1]]), z, mask)
+    w0, w1 = 1.0, math.exp(-0.25)
+    bce0 = -math.log(1 - 1 / (1 + math.exp(-0.5)))  # BCE(z=0.5, label 0)
+    bce1 = -math.log(0.75)  # BCE(z=ln 3, label 1)
+    assert abs(float(greedy.bce) - (w0 * bce0 + w1 * bce1) / (w0 + w1)) < 1e-5
+    # Only the BCE target changes: CE, L1 and the probabilistic tau are the soft run's.
+    for k in ("ce", "l1", "tau_probabilistic"):
+        assert float(getattr(greedy, k)) == float(getattr(soft, k))
+    assert float(greedy.bce) != float(soft.bce)
+    with pytest.raises(ValueError, match="confidence_label"):
+        dspark_loss(d, t, jnp.array([[0, 1]]), z, mask, confidence_label="hard")

@@ -11,6 +11,14 @@ write plain sums).
 - BCE of the confidence logit against c* = 1 - L1/2, the analytic probability that a draft
   sampled from the draft distribution survives rejection sampling against the target; the label
   is detached so the confidence head learns to predict acceptance, not to move it.
+
+``confidence_label="greedy"`` swaps that label for the greedy one, 1{argmax draft = argmax
+target}: the event that decides acceptance at temperature 0.  The soft label is the T=1
+acceptance probability and overstates greedy acceptance where the two distributions share their
+mode but not their shape (and understates it where they differ only in the tail), so a head
+trained on it stays miscalibrated at T=0 in ways one temperature per position (STS) cannot undo.
+A head fine-tuned on greedy labels (training.drafter ``--trainable confidence``) targets the
+quantity the T=0 scheduler consumes.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 CE_WEIGHT, L1_WEIGHT, CONF_WEIGHT, DECAY = 0.1, 0.9, 1.0, 4.0
+CONFIDENCE_LABELS = ("soft", "greedy")
 
 
 class LossTerms(NamedTuple):
@@ -56,9 +65,13 @@ def dspark_loss(
     *,
     weights: tuple[float, float, float] = (CE_WEIGHT, L1_WEIGHT, CONF_WEIGHT),
     decay: float = DECAY,
+    confidence_label: str = "soft",
 ) -> LossTerms:
     """draft/target logits [..., gamma, V]; labels [..., gamma] (token after each position);
-    confidence_logits and eval_mask [..., gamma]."""
+    confidence_logits and eval_mask [..., gamma].  confidence_label: "soft" (c*) or "greedy"
+    (argmax agreement) as the BCE target; the other terms and tau_probabilistic keep c*."""
+    if confidence_label not in CONFIDENCE_LABELS:
+        raise ValueError(f"confidence_label must be one of {CONFIDENCE_LABELS}, got {confidence_label!r}")
     w = position_weights(eval_mask, decay)
     denom = jnp.maximum(w.sum(), 1e-9)
     mean = lambda x: (w * x).sum() / denom
@@ -66,7 +79,10 @@ def dspark_loss(
     ce = -jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
     l1, label = soft_acceptance(draft_logits, target_logits)
     z = confidence_logits.astype(jnp.float32)
-    bce = jnp.maximum(z, 0) - z * label + jnp.log1p(jnp.exp(-jnp.abs(z)))  # BCE-with-logits, stable
+    target = label
+    if confidence_label == "greedy":
+        target = (jnp.argmax(draft_logits, -1) == jnp.argmax(target_logits, -1)).astype(jnp.float32)
+    bce = jnp.maximum(z, 0) - z * target + jnp.log1p(jnp.exp(-jnp.abs(z)))  # BCE-with-logits, stable
     terms = (mean(ce), mean(l1), mean(bce))
     loss = sum(a * t for a, t in zip(weights, terms))
     valid = (w[..., 0] > 0).astype(jnp.float32)

@@ -28,6 +28,13 @@ class DrafterTrainConfig:
     markov_rank: int = 256
     target_layer_ids: tuple[int, ...] | None = None  # None: DFlash's even spacing from layer 1 to L-3
     mask_token_id: int | None = None  # None: the target tokenizer's <|mask|> token
+    # what is learned: "soft" (DSpark's c* = 1 - L1/2) or "greedy" (argmax agreement) confidence
+    # labels; "all" parameters or only the "confidence" head; start from a drafter folder's weights
+    # (its architecture must match) instead of a random init.  --init-from D --trainable confidence
+    # --confidence-label greedy fine-tunes the head of a trained drafter for T=0 (losses.py).
+    confidence_label: str = "soft"
+    trainable: str = "all"
+    init_from: str | None = None
     # optimisation
     steps: int = 2000
     batch_size: int = 16  # packed rows per step (a multiple of the device count)
@@ -61,6 +68,12 @@ class DrafterTrainConfig:
             raise ValueError(f"warmup_steps must be in [0, steps], got {self.warmup_steps}")
         if self.anchor_chunk < 1:
             raise ValueError("anchor_chunk must be >= 1")
+        if self.confidence_label not in ("soft", "greedy"):
+            raise ValueError(f"confidence_label must be 'soft' or 'greedy', got {self.confidence_label!r}")
+        if self.trainable not in TRAINABLE:
+            raise ValueError(f"trainable must be one of {tuple(TRAINABLE)}, got {self.trainable!r}")
+        if self.trainable != "all" and self.init_from is None:
+            raise ValueError(f"trainable={self.trainable!r} freezes the rest of a random init: pass init_from")
         if self.target_layer_ids is not None:
             object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
 
@@ -86,6 +99,9 @@ class DrafterTrainConfig:
     def from_json(cls, d: dict) -> "DrafterTrainConfig":
         return cls(**d)
 
+
+# Top-level parameter groups each `trainable` setting updates (None: every parameter).
+TRAINABLE = {"all": None, "confidence": ("confidence",)}
 
 BOOKKEEPING = ("log_every", "eval_every", "eval_max_rows", "eval_batch_size", "checkpoint_every", "keep_checkpoints",
                "time_limit_s")

@@ -22,15 +22,16 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None,
     """Write the drafter of a training run (its best/ params, or a checkpoint: default the latest)."""
     from training.drafter.config import DrafterTrainConfig
     from training.drafter.loop import RUN_FILE
-    from training.drafter.step import abstract_drafter_params
+    from training.drafter.step import abstract_drafter_params, drafter_optimizer
     from training.pretrain.checkpoint import restore_run_params
 
     run_dir = Path(run_dir)
     record = json.loads((run_dir / RUN_FILE).read_text())
     cfg = DSparkConfig(**record["drafter_config"])
     abstract = abstract_drafter_params(cfg)
-    params, origin = restore_run_params(run_dir, abstract, DrafterTrainConfig.from_json(record["train_config"]),
-                                        step=step, best=best)
+    tc = DrafterTrainConfig.from_json(record["train_config"])
+    params, origin = restore_run_params(run_dir, abstract, tc, step=step, best=best,
+                                        optimizer=drafter_optimizer(tc)[0])
     training = {**origin, "run": str(run_dir), "target": record["target"], "data": record["data"],
                 "train_config": record["train_config"], "storage_dtype": dtype}
     return save_drafter(out, cfg, params, dtype=dtype, training=training)

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -50,6 +51,22 @@ def resolve_mask_token(target_dir: Path, tc: DrafterTrainConfig) -> int:
     if mask is None:
         raise ValueError(f"{target_dir}: the tokenizer has no {MASK} token; pass mask_token_id")
     return mask
+
+
+def initial_params(dcfg, tc: DrafterTrainConfig) -> dict:
+    """fp32 master weights to start from: a random init, or a trained drafter folder's weights
+    (``init_from``), whose configuration must be the one this run builds."""
+    if tc.init_from is None:
+        return init_drafter_params(dcfg, tc.seed)
+    from dspark_jax.drafter.checkpoint import load_drafter_params
+
+    cfg, params = load_drafter_params(tc.init_from, dtype=jnp.float32)
+    if cfg != dcfg:
+        diff = {k: (getattr(cfg, k), getattr(dcfg, k)) for k in dataclasses.asdict(dcfg)
+                if getattr(cfg, k) != getattr(dcfg, k)}
+        raise ValueError(f"init_from {tc.init_from}: its drafter config differs from this run's "
+                         f"(field: (folder, run)) {diff}; pass matching --num-layers/--block-size/... options")
+    return params
 
 
 def train_drafter(target_dir: Path | str, data_dir: Path | str, run_dir: Path | str, tc: DrafterTrainConfig, *,
@@ -91,7 +108,7 @@ def train_drafter(target_dir: Path | str, data_dir: Path | str, run_dir: Path | 
     start = ckpts.latest_step()
     if start is None:
         start, elapsed_before, best = 0, 0.0, None
-        params = jax.device_put(init_drafter_params(dcfg, tc.seed), repl)
+        params = jax.device_put(initial_params(dcfg, tc), repl)
         opt_state = steps.init_opt_state(params)
         metrics_path.unlink(missing_ok=True)
     else:

@@ -34,7 +34,7 @@ from dspark_jax.drafter.config import DSparkConfig
 from dspark_jax.drafter.losses import CE_WEIGHT, CONF_WEIGHT, L1_WEIGHT, dspark_loss, position_weights
 from dspark_jax.drafter.model import DSparkDrafter, block_visibility_mask
 from dspark_jax.models.qwen3 import forward_dense
-from training.drafter.config import DrafterTrainConfig
+from training.drafter.config import TRAINABLE, DrafterTrainConfig
 from training.pretrain.parallel import replicated
 from training.pretrain.step import DTYPES, tree_norm, make_optimizer, params_to_model
 
@@ -72,7 +72,7 @@ def _chunks(x, B: int, N: int, c: int):
 
 
 def block_sums(dparams: dict, tparams: dict, batch, dcfg: DSparkConfig, tcfg: Qwen3Config, compute_dtype: str,
-               anchor_chunk: int) -> dict:
+               anchor_chunk: int, confidence_label: str = "soft") -> dict:
     """Sums over every block of the batch (see module docstring); all fp32."""
     dtype = DTYPES[compute_dtype]
     target = params_to_model(tparams, tcfg, dtype)
@@ -95,7 +95,7 @@ def block_sums(dparams: dict, tparams: dict, batch, dcfg: DSparkConfig, tcfg: Qw
         logits, z = drafter.teacher_forced(draft, b.prev_ids)
         rows = jnp.take_along_axis(hidden, b.target_index.reshape(B, c * G)[..., None], axis=1)
         target_logits = target.logits(rows.reshape(B, c, G, d))
-        terms = dspark_loss(logits, target_logits, b.labels, z, b.eval_mask)
+        terms = dspark_loss(logits, target_logits, b.labels, z, b.eval_mask, confidence_label=confidence_label)
         w = position_weights(b.eval_mask)
         scored = (w > 0).astype(jnp.float32)
         valid = scored[..., 0]
@@ -156,11 +156,25 @@ def add_sums(a: dict | None, b: dict) -> dict:
 
 
 @functools.lru_cache(maxsize=8)
-def eval_step(dcfg: DSparkConfig, tcfg: Qwen3Config, compute_dtype: str, anchor_chunk: int, mesh):
+def eval_step(dcfg: DSparkConfig, tcfg: Qwen3Config, compute_dtype: str, anchor_chunk: int, mesh,
+              confidence_label: str = "soft"):
     """Jitted (drafter params, target params, batch) -> block sums; shared by training runs and
     standalone evaluation with the same numerics, so neither compiles it twice."""
-    sums = functools.partial(block_sums, dcfg=dcfg, tcfg=tcfg, compute_dtype=compute_dtype, anchor_chunk=anchor_chunk)
+    sums = functools.partial(block_sums, dcfg=dcfg, tcfg=tcfg, compute_dtype=compute_dtype, anchor_chunk=anchor_chunk,
+                             confidence_label=confidence_label)
     return jax.jit(sums, out_shardings=replicated(mesh))
+
+
+def drafter_optimizer(tc: DrafterTrainConfig):
+    """(optimizer, lr schedule): training.pretrain's AdamW + warmup/cosine + clipping, applied
+    only to the ``trainable`` parameter groups; every other parameter gets exactly zero updates."""
+    tx, schedule = make_optimizer(tc)
+    groups = TRAINABLE[tc.trainable]
+    if groups is not None:
+        label = lambda params: {k: jax.tree.map(lambda _: "train" if k in groups else "frozen", v)
+                                for k, v in params.items()}
+        tx = optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, label)
+    return tx, schedule
 
 
 class DrafterSteps:
@@ -180,14 +194,15 @@ class DrafterSteps:
 
     def __init__(self, dcfg: DSparkConfig, tcfg: Qwen3Config, tc: DrafterTrainConfig, mesh):
         self.dcfg, self.tcfg, self.tc, self.mesh = dcfg, tcfg, tc, mesh
-        self.tx, self.schedule = make_optimizer(tc)
+        self.tx, self.schedule = drafter_optimizer(tc)
         repl = replicated(mesh)
         self.train_step = jax.jit(self._train_step, donate_argnums=(0, 1), out_shardings=repl)
-        self.eval_step = eval_step(dcfg, tcfg, tc.compute_dtype, tc.anchor_chunk, mesh)
+        self.eval_step = eval_step(dcfg, tcfg, tc.compute_dtype, tc.anchor_chunk, mesh, tc.confidence_label)
         self.init_opt_state = jax.jit(self.tx.init, out_shardings=repl)
 
     def _sums(self, params, tparams, batch):
-        return block_sums(params, tparams, batch, self.dcfg, self.tcfg, self.tc.compute_dtype, self.tc.anchor_chunk)
+        return block_sums(params, tparams, batch, self.dcfg, self.tcfg, self.tc.compute_dtype, self.tc.anchor_chunk,
+                          self.tc.confidence_label)
 
     def _loss(self, params, tparams, batch):
         sums = self._sums(params, tparams, batch)

@@ -71,10 +71,11 @@ def restore_params(path: Path | str, abstract_params, sharding=None):
 
 
 def restore_run_params(run_dir: Path | str, abstract_params, train_config, *, step: int | None = None,
-                       best: bool = False) -> tuple[object, dict]:
+                       best: bool = False, optimizer=None) -> tuple[object, dict]:
     """(params, origin) from a run's best/ params or one of its checkpoints (default: the latest).
 
-    ``train_config`` rebuilds the optimizer whose state shape the checkpoint restore needs;
+    ``train_config`` rebuilds the optimizer whose state shape the checkpoint restore needs (or
+    pass the run's ``optimizer``, a GradientTransformation, when it is not make_optimizer's);
     origin says where the params came from ({"source": "best", **best.json} or checkpoint step)."""
     import json
 
@@ -90,7 +91,7 @@ def restore_run_params(run_dir: Path | str, abstract_params, train_config, *, st
     step = ckpts.latest_step() if step is None else step
     if step is None:
         raise FileNotFoundError(f"{run_dir}: no checkpoints")
-    tx, _ = make_optimizer(train_config)
+    tx = optimizer if optimizer is not None else make_optimizer(train_config)[0]
     params, _, _ = ckpts.restore(step, abstract_params, jax.eval_shape(tx.init, abstract_params))
     ckpts.close()
     return params, {"source": "checkpoint", "step": step}
