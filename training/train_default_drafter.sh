@@ -21,6 +21,12 @@
 #            the run records and the validation split, into $OUT (drafter folders as *.tar parts:
 #            unpack with  cat NAME.tar.part-* | tar -x -C DIR).
 #
+# Fine-tuning the embedded drafter's confidence head on greedy labels (T=0 calibration):
+#   STAGES="data probe train export" EXPORT_FROM= TRAIN_EXTRA="--init-from dspark_jax/assets/default-dspark \
+#     --trainable confidence --confidence-label greedy" training/train_default_drafter.sh
+# (EXPORT_FROM empty exports the last step: head-only training leaves the held-out tau that picks
+# best/ unchanged, so best/ would be the starting point.)
+#
 # Inputs: TARGET (dspark_jax/assets/default-target); CORPUS (.data/corpus, git-ignored, so carry it).
 # Work: DATA (runs/drafter-data), RUN (runs/default-drafter), MTP_RUN (runs/default-mtp).
 # Results: OUT (the device tool's $OUT, else runs/default-drafter-out).
@@ -51,6 +57,8 @@ EVAL_EVERY=${EVAL_EVERY:-250}
 MTP_TIME=${MTP_TIME:-330}
 MTP_BATCH=${MTP_BATCH:-32}
 MTP_SEQ_LEN=${MTP_SEQ_LEN:-1024}
+TRAIN_EXTRA=${TRAIN_EXTRA:-}
+EXPORT_FROM=${EXPORT_FROM---best}
 PYTHON=${PYTHON:-python3}
 # Two JAX processes share the GPU: neither may preallocate most of its memory.
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 TQDM_MININTERVAL=${TQDM_MININTERVAL:-10}
@@ -69,6 +77,8 @@ steps_for() { "$PYTHON" -c "import sys; print(max(20, int(0.92 * float(sys.argv[
 train_args=(--target "$TARGET" --data "$DATA" --block-size 7 --num-layers "$LAYERS" --markov-type vanilla
             --markov-rank 256 --batch-size "$BATCH" --seq-len "$SEQ_LEN" --num-anchors "$ANCHORS" --anchor-chunk 64
             --learning-rate "$LR" --compute-dtype bfloat16 --eval-max-rows 32 --log-every 10)
+# shellcheck disable=SC2206
+train_args+=($TRAIN_EXTRA)
 mtp_args=(--target "$TARGET" --corpus "$CORPUS" --batch-size "$MTP_BATCH" --seq-len "$MTP_SEQ_LEN"
           --eval-max-rows 32 --export-dtype bfloat16 --log-every 10)
 
@@ -121,7 +131,8 @@ for stage in $STAGES; do
       tail -n 20 "$OUT/train.log"
       ;;
     export)
-      "$PYTHON" -m training.drafter export --run "$RUN" --best --out "$RUN/default-drafter" --dtype bfloat16
+      # shellcheck disable=SC2086
+      "$PYTHON" -m training.drafter export --run "$RUN" $EXPORT_FROM --out "$RUN/default-drafter" --dtype bfloat16
       "$PYTHON" -m training.drafter evaluate --target "$TARGET" --drafter "$RUN/default-drafter" --data "$DATA" \
           --seq-len "$SEQ_LEN" --num-anchors "$ANCHORS" --batch-size "$BATCH" --compute-dtype bfloat16 \
           > "$OUT/eval.json" 2> "$OUT/eval.log" || echo "evaluate failed (see eval.log)"
