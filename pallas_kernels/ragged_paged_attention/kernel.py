@@ -202,7 +202,10 @@ def block_config(
     ``min_split_tokens`` KV tokens (at least one tile).  The floor is counted in tokens, not tiles, so
     that the small-batch verify's 64-token tiles split a context as decode's 128-token tiles do:
     counted in tiles, q_len 8 at batch 4 and context 4k ran 16 splits of 256 tokens against
-    decode's 8 of 512 and cost 1.44x decode (benchmarks/results/ragged_paged_attention_h200_defaults_3034a99.md).
+    decode's 8 of 512 and cost 1.44x decode, 1.08x with the token floor; at batch 1 the same change
+    went from 1.32x to 1.61x (benchmarks/results/ragged_paged_attention_h200_defaults_{3034a99,
+    c408719}.md).  Both are 20-35 us latency-bound cells, where about one wave of programs looks
+    best; the split rule for them is not settled.
     ``addressing``,
     ``prologue`` and ``page_lookup`` (module constants above) are the knobs
     benchmarks/bench_ragged_paged_attention.py --ratio compares.

@@ -1,0 +1,84 @@
+"""Fused residual add + RMSNorm (``new_residual = x + residual``, ``normed = rms_norm(new_residual)``).
+
+One kernel instead of XLA's add / mean-square / normalise kernels around every decoder norm (see
+``kernel.py`` for why and how).
+
+Backend fallback: the Pallas kernel holds a whole row in one Triton tile, so it needs a
+power-of-two row width ``d`` (``kernel_supports``).  For any other ``d`` (the project's tiny
+default model has d = 320) ``fused_add_rms_norm_op(..., backend="pallas")`` silently uses the
+jnp reference instead, which has the same semantics; XLA then compiles it as usual.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.fused_add_rms_norm.kernel import (
+    MAX_D,
+    MIN_TILE_ELEMENTS,
+    TileConfig,
+    default_num_warps,
+    fused_add_rms_norm,
+    kernel_supports,
+    tile_config,
+)
+from pallas_kernels.fused_add_rms_norm.reference import fused_add_rms_norm_reference
+
+BACKENDS = ("pallas", "reference", "auto")
+
+
+def resolve_backend(backend: str, d: int) -> str:
+    """The implementation ``fused_add_rms_norm_op`` runs: "pallas" or "reference".
+
+    "auto" is pallas on GPU, else the reference; "pallas" becomes the reference when the kernel
+    cannot take rows of width ``d`` (not a power of two, or wider than ``MAX_D``).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown fused_add_rms_norm backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "auto":
+        backend = "pallas" if jax.default_backend() == "gpu" else "reference"
+    if backend == "pallas" and not kernel_supports(d):
+        backend = "reference"
+    return backend
+
+
+def fused_add_rms_norm_op(
+    x,
+    residual,
+    weight,
+    *,
+    eps: float,
+    backend: str = "pallas",
+    interpret: bool | None = None,
+    **kernel_kwargs,
+):
+    """Dispatch to the Pallas kernel or the jnp reference (same signature and semantics).
+
+    Returns ``(normed, new_residual)``.  ``backend``: "pallas" (Triton backend; off the GPU it
+    runs in interpret mode unless ``interpret`` says otherwise; falls back to the reference when
+    ``d`` is not a power of two), "reference", or "auto" (pallas on GPU, else reference).
+    ``kernel_kwargs`` (block_rows, num_warps, num_stages) go to the kernel.
+    """
+    impl = resolve_backend(backend, x.shape[-1])
+    if impl == "reference":
+        return fused_add_rms_norm_reference(x, residual, weight, eps=eps)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    return fused_add_rms_norm(
+        x, residual, weight, eps=eps, interpret=interpret, **kernel_kwargs
+    )
+
+
+__all__ = [
+    "BACKENDS",
+    "MAX_D",
+    "MIN_TILE_ELEMENTS",
+    "TileConfig",
+    "default_num_warps",
+    "fused_add_rms_norm",
+    "fused_add_rms_norm_op",
+    "fused_add_rms_norm_reference",
+    "kernel_supports",
+    "resolve_backend",
+    "tile_config",
+]
