@@ -150,3 +150,24 @@ def test_overlapped_decode_equals_synchronous_decode(hf_model_dir, tiny_engine):
     want = sync.generate(prompts, params)
     assert [(r.token_ids, r.finish_reason) for r in got] == [(r.token_ids, r.finish_reason) for r in want]
     assert tiny_engine.pool.num_free_pages == tiny_engine.pool.num_usable_pages
+
+
+def test_text_is_the_same_read_every_commit_or_once(tiny_engine):
+    """Without stop strings a request detokenizes when its text is read: a streaming reader (every
+    commit) and a batch reader (once, at the end) see the same text, the tokenizer's own decode."""
+    from dspark_jax.engine.request import Request
+
+    p = _prompts(tiny_engine, 1, seed=13)[0]
+    ids = tiny_engine.generate([p], SamplingParams(max_new_tokens=40, ignore_eos=True))[0].token_ids
+    tok = tiny_engine.tokenizer
+    mk = lambda: Request("r", [1, 2], SamplingParams(max_new_tokens=len(ids), ignore_eos=True), 0, tok,
+                         frozenset(), max_model_len=1024)
+    streamed, batch = mk(), mk()
+    seen = ""
+    for i in range(0, len(ids), 3):  # commits of 3 tokens, as a speculative round gives
+        streamed.append_tokens(ids[i : i + 3])
+        batch.append_tokens(ids[i : i + 3])
+        assert streamed.text.startswith(seen)
+        seen = streamed.text
+    assert streamed.finish_reason == batch.finish_reason == "length"
+    assert streamed.text == batch.text == tok.decode(ids)
