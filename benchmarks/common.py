@@ -112,8 +112,11 @@ def random_model(cfg, dtype=jnp.bfloat16, seed: int = 0):
 
 
 def write_results(name: str, payload: dict, table_md: str, out_dirs=()) -> list[Path]:
+    """JSON + markdown into each of ``out_dirs``, or into benchmarks/results when none is given
+    (a run pointed elsewhere, such as a CPU smoke test or a device run's $OUT, leaves the
+    repository's results alone: measured files are copied in by hand after reading them)."""
     paths = []
-    for d in (RESULTS, *map(Path, out_dirs)):
+    for d in map(Path, out_dirs or (RESULTS,)):
         d.mkdir(parents=True, exist_ok=True)
         (d / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
         (d / f"{name}.md").write_text(table_md)
