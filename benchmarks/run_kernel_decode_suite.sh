@@ -9,6 +9,7 @@
 #   ratio    verify / decode cost of the kernel's options over batch <= 16 and every context
 #            (benchmarks/bench_ragged_paged_attention.py --ratio), until the budget runs out
 #   bench    the full kernel benchmark (bench_ragged_paged_attention.py --bench --defaults)
+#   norm     the fused residual-add + RMSNorm kernel against XLA (benchmarks/bench_fused_add_rms_norm.py)
 #
 # Results land in $OUT (default runs/kernel-decode-suite), packed into kernel-decode-suite.tgz (the
 # device tool returns only a few files).
@@ -53,6 +54,11 @@ for stage in $STAGES; do
           --deadline $((t - 60)) --out "$OUT" --git-commit "$GIT_COMMIT" > "$OUT/kernel_bench.log" 2>&1 \
           || echo "kernel bench cut short or failed"
       tail -n 30 "$OUT/kernel_bench.log"
+      ;;
+    norm)
+      timeout 150 "$PYTHON" benchmarks/bench_fused_add_rms_norm.py --tune --out-dir "$OUT" > "$OUT/norm.log" 2>&1 \
+          || echo "fused norm bench failed"
+      tail -n 20 "$OUT/norm.log"
       ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
