@@ -96,6 +96,7 @@ def main(argv=None):
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--context", type=int, default=160)
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--norm-backend", default="reference", help="residual add + RMSNorm: reference | pallas | auto")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--sequence", type=int, default=0, help="list the last step's first N kernels in launch order")
@@ -109,7 +110,7 @@ def main(argv=None):
     model = random_model(cfg)
     bs, ctx = args.batch_size, args.context
     engine = Engine(model, None, EngineConfig(max_running_requests=bs, max_model_len=ctx + 32, page_size=16,
-                                              attention_backend=args.attention_backend, precompile=False))
+                                              attention_backend=args.attention_backend, norm_backend=args.norm_backend, precompile=False))
     B = round_up(bs, engine.decode_buckets)
     pages = [list(range(1 + i * engine.pages_per_seq, 1 + i * engine.pages_per_seq + -(-(ctx + 1) // 16)))
              for i in range(bs)]
@@ -133,7 +134,8 @@ def main(argv=None):
     out_dir.mkdir(parents=True, exist_ok=True)
     name = f"decode_profile_{args.shape}_bs{bs}_{engine.backend}{args.tag}"
     (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
-    md = [f"# Decode step profile: {args.shape}, batch {bs}, context {ctx}, attention {engine.backend}\n",
+    md = [f"# Decode step profile: {args.shape}, batch {bs}, context {ctx}, attention {engine.backend}, "
+          f"norm {args.norm_backend}\n",
           f"{env['device']}, jax {env['jax']}, {env['date']}, commit {env['commit']}; copy bandwidth "
           f"{bw / 1e12:.2f} TB/s, weight floor {floor_us:.0f} us.\n"]
     if "error" in summary:

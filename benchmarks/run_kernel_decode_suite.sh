@@ -10,6 +10,8 @@
 #            (benchmarks/bench_ragged_paged_attention.py --ratio), until the budget runs out
 #   bench    the full kernel benchmark (bench_ragged_paged_attention.py --bench --defaults)
 #   norm     the fused residual-add + RMSNorm kernel against XLA (benchmarks/bench_fused_add_rms_norm.py)
+#   decode_fused  the decode benchmark at DECODE_BATCHES with --norm-backend pallas (the fused kernel in
+#            the model), beside the decode stage's XLA norms
 #
 # Results land in $OUT (default runs/kernel-decode-suite), packed into kernel-decode-suite.tgz (the
 # device tool returns only a few files).
@@ -54,6 +56,13 @@ for stage in $STAGES; do
           --deadline $((t - 60)) --out "$OUT" --git-commit "$GIT_COMMIT" > "$OUT/kernel_bench.log" 2>&1 \
           || echo "kernel bench cut short or failed"
       tail -n 30 "$OUT/kernel_bench.log"
+      ;;
+    decode_fused)
+      # shellcheck disable=SC2086
+      timeout 200 "$PYTHON" benchmarks/bench_decode.py --batch-sizes $DECODE_BATCHES --new-tokens 32 \
+          --norm-backend pallas --tag _fusednorm --out-dir "$OUT" > "$OUT/decode_fused.log" 2>&1 \
+          || echo "decode (fused norm) cut short or failed"
+      tail -n 12 "$OUT/decode_fused.log"
       ;;
     norm)
       timeout 150 "$PYTHON" benchmarks/bench_fused_add_rms_norm.py --tune --out-dir "$OUT" > "$OUT/norm.log" 2>&1 \

@@ -97,5 +97,8 @@ def test_decoder_layer_matches_numpy():
     batch = build_forward_batch([(np.zeros(T, np.int32), 0, pages)], page_size=ps, num_tokens=T, num_seqs=1, pages_per_seq=3)
     batch = ForwardBatch(*(jnp.asarray(a) for a in batch))
     cos, sin = rope_cos_sin(batch.positions, cfg.head_dim, cfg.rope_theta)
-    out, _ = layer(jnp.asarray(x), cos, sin, cache, batch, jnp.int32(0), backend="reference")
-    np.testing.assert_allclose(np.asarray(out), np_decoder_layer(x, params, cfg), rtol=1e-4, atol=1e-4)
+    want = np_decoder_layer(x, params, cfg)
+    for norm_backend in ("reference", "pallas"):  # pallas: the fused add + norm kernel, interpreted
+        h, delta, _ = layer(jnp.asarray(x), jnp.zeros_like(x), cos, sin, cache, batch, jnp.int32(0),
+                            backend="reference", norm_backend=norm_backend)
+        np.testing.assert_allclose(np.asarray(h + delta), want, rtol=1e-4, atol=1e-4, err_msg=norm_backend)

@@ -96,6 +96,23 @@ def test_tapped_hidden_states_are_layer_outputs():
     assert not np.allclose(np.asarray(out.taps[1]), np.asarray(out.taps[2]))
 
 
+def test_fused_norm_kernel_gives_the_reference_forward():
+    """norm_backend="pallas" (the fused add + RMSNorm kernel, interpreted on CPU) computes the same
+    logits, final hidden states and tapped layer outputs as the jnp path, and rejects bad names."""
+    cfg = tiny_config(64, num_hidden_layers=3)  # hidden 64: a width the kernel takes
+    model = Qwen3ForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(5))
+    ids = np.arange(3, 12)
+    fb = build_forward_batch([(ids, 0, [1, 2, 3])], page_size=PAGE, num_tokens=9, num_seqs=1, pages_per_seq=3,
+                             logits_rows="all")
+    outs = {nb: model(allocate_kv_cache(cfg, 5, PAGE, jnp.float32), fb, tap_layers=(0, 2), norm_backend=nb)
+            for nb in ("reference", "pallas")}
+    for field in ("logits", "hidden", "taps"):
+        np.testing.assert_allclose(np.asarray(getattr(outs["pallas"], field)),
+                                   np.asarray(getattr(outs["reference"], field)), rtol=1e-5, atol=1e-5, err_msg=field)
+    with pytest.raises(ValueError, match="norm_backend"):
+        model(allocate_kv_cache(cfg, 5, PAGE, jnp.float32), fb, norm_backend="triton")
+
+
 def test_dense_forward_and_unrolled_layers_match_paged_forward():
     from dspark_jax.models.qwen3 import forward_dense
 

@@ -46,6 +46,9 @@ class EngineConfig:
     max_prefill_tokens: int = 512
     max_prefill_seqs: int = 8
     attention_backend: str = "auto"  # auto | pallas | reference
+    # residual add + RMSNorm in the plain engine's steps: reference (jnp, XLA fuses it) | pallas (the
+    # fused kernel; not yet measured to beat XLA, so not the default) | auto (pallas on GPU)
+    norm_backend: str = "reference"
     unroll_decode: bool | None = None  # unroll the layer loop in decode steps; default: on GPU only
     dtype: str | None = None  # default: float32 on CPU (bf16 math is slow there), else the checkpoint's
     compile_cache_dir: str | None = None
@@ -71,7 +74,7 @@ class Engine:
         unroll = ec.unroll_decode if ec.unroll_decode is not None else jax.default_backend() == "gpu"
         self.runner = ModelRunner(
             model, cache, pages_per_seq=self.pages_per_seq, backend=self.backend,
-            unroll_decode=unroll, lazy=not ec.precompile,
+            unroll_decode=unroll, lazy=not ec.precompile, norm_backend=ec.norm_backend,
         )
         self.prefill_seqs = min(ec.max_prefill_seqs, ec.max_running_requests)
         self.decode_buckets = batch_ladder(ec.max_running_requests)

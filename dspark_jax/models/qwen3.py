@@ -23,6 +23,18 @@ from dspark_jax.kv_cache import KVCache
 from dspark_jax.layers.attention import paged_attention
 from dspark_jax.layers.norm import RMSNorm, rms_norm
 from dspark_jax.layers.rotary import apply_rope, rope_cos_sin
+from pallas_kernels.fused_add_rms_norm import fused_add_rms_norm_op
+
+NORM_BACKENDS = ("reference", "pallas", "auto")
+
+
+def add_rms_norm(norm: RMSNorm, delta: jax.Array, x: jax.Array, backend: str) -> tuple[jax.Array, jax.Array]:
+    """(norm(x + delta), x + delta): a residual add and the RMSNorm that reads it, as one op.
+
+    "reference" is plain jnp (XLA compiles it: an add, a reduction and a multiply at decode
+    sizes); "pallas" is the fused Triton kernel (pallas_kernels/fused_add_rms_norm), one launch
+    instead of three, for power-of-two widths (else the reference)."""
+    return fused_add_rms_norm_op(x, delta, norm.weight[...], eps=norm.eps, backend=backend)
 
 
 def _linear(din: int, dout: int, *, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear:
@@ -106,11 +118,14 @@ class Qwen3DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.mlp = Qwen3MLP(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, cache, batch, layer, *, backend: str):
-        attn, cache = self.self_attn(self.input_layernorm(x), cos, sin, cache, batch, layer, backend=backend)
-        x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, cache
+    def __call__(self, x, delta, cos, sin, cache, batch, layer, *, backend: str, norm_backend: str = "reference"):
+        """x: the residual stream before the previous layer's MLP output ``delta`` is added (zeros
+        for the first layer).  Returns (x, this layer's MLP output, cache): each residual add is
+        done by the norm that reads it (``add_rms_norm``), so it can be one fused kernel."""
+        h, x = add_rms_norm(self.input_layernorm, delta, x, norm_backend)
+        attn, cache = self.self_attn(h, cos, sin, cache, batch, layer, backend=backend)
+        h, x = add_rms_norm(self.post_attention_layernorm, attn, x, norm_backend)
+        return x, self.mlp(h), cache
 
     def dense(self, x, cos, sin, mask):
         x = x + self.self_attn.dense(self.input_layernorm(x), cos, sin, mask)
@@ -165,9 +180,13 @@ class Qwen3ForCausalLM(nnx.Module):
         tap_layers: tuple[int, ...] = (),
         backend: str = "reference",
         scan_layers: bool = True,
+        norm_backend: str = "reference",
     ) -> ForwardOutput:
         """scan_layers=False unrolls the layer loop (static weight slices): a larger program that
-        XLA may schedule better for latency-bound decode; the result is identical."""
+        XLA may schedule better for latency-bound decode; the result is identical.
+        norm_backend: how each residual add + RMSNorm runs (``add_rms_norm``)."""
+        if norm_backend not in NORM_BACKENDS:
+            raise ValueError(f"norm_backend must be one of {NORM_BACKENDS}, got {norm_backend!r}")
         cfg = self.config
         batch = ForwardBatch(*(jnp.asarray(a) for a in batch))
         x = self.embed_tokens(batch.input_ids)
@@ -189,23 +208,24 @@ class Qwen3ForCausalLM(nnx.Module):
         layer_def, layer_state = nnx.split(self.layers)
 
         def body(carry, xs):
-            h, kc, vc, taps = carry
+            h, delta, kc, vc, taps = carry
             state, layer = xs
-            h, cache_l = nnx.merge(layer_def, state)(h, cos, sin, KVCache(kc, vc), batch, layer, backend=backend)
+            h, delta, cache_l = nnx.merge(layer_def, state)(h, delta, cos, sin, KVCache(kc, vc), batch, layer,
+                                                            backend=backend, norm_backend=norm_backend)
             if len(tap_layers):
                 slot = tap_slot[layer]
                 s = jnp.maximum(slot, 0)
-                taps = taps.at[s].set(jnp.where(slot >= 0, h, taps[s]))
-            return (h, cache_l.k, cache_l.v, taps), None
+                taps = taps.at[s].set(jnp.where(slot >= 0, h + delta, taps[s]))  # the layer's output
+            return (h, delta, cache_l.k, cache_l.v, taps), None
 
-        carry = (x, cache.k, cache.v, taps)
+        carry = (x, jnp.zeros_like(x), cache.k, cache.v, taps)
         if scan_layers:
             carry, _ = jax.lax.scan(body, carry, (layer_state, jnp.arange(L, dtype=jnp.int32)))
         else:
             for i in range(L):
                 carry, _ = body(carry, (jax.tree.map(lambda a: a[i], layer_state), jnp.int32(i)))
-        x, kc, vc, taps = carry
-        hidden = self.norm(x)
+        x, delta, kc, vc, taps = carry
+        hidden, _ = add_rms_norm(self.norm, delta, x, norm_backend)
         logits = self.logits(hidden[batch.logits_indices])
         return ForwardOutput(logits, hidden, taps, KVCache(kc, vc))
 

@@ -118,9 +118,9 @@ class MTPDrafter(nnx.Module):
     def paged(self, target: Qwen3ForCausalLM, hidden, batch, cache: KVCache, *, backend: str):
         """Packed rows hidden [T, d], batch.input_ids = next tokens [T] -> (ĥ [T, d], cache)."""
         cos, sin = rope_cos_sin(batch.positions, self.config.head_dim, self.config.rope_theta)
-        x, cache = self.layer(self.fuse(target, hidden, batch.input_ids), cos, sin, cache, batch,
-                              jnp.int32(0), backend=backend)
-        return self.norm(x), cache
+        x = self.fuse(target, hidden, batch.input_ids)
+        x, delta, cache = self.layer(x, jnp.zeros_like(x), cos, sin, cache, batch, jnp.int32(0), backend=backend)
+        return self.norm(x + delta), cache
 
 
 def allocate_mtp_cache(cfg: MTPConfig, num_pages: int, page_size: int, dtype) -> KVCache:
