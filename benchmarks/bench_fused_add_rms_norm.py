@@ -329,16 +329,6 @@ def markdown(env, args, bw, check_ok, bench, tune) -> str:
     return "\n".join(md) + "\n"
 
 
-def gpu_warmup(seconds=1.0):
-    """Matrix products for a moment so the clocks leave idle before anything is timed."""
-    a = jax.random.normal(jax.random.PRNGKey(2), (4096, 4096), jnp.bfloat16)
-    f = jax.jit(lambda x: (x @ x) * 1e-3)
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a = f(a)
-        a.block_until_ready()
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out-dir", default=str(common.RESULTS))
@@ -377,7 +367,7 @@ def main(argv=None) -> int:
                 log("wrote", p)
             return 2
     if on_gpu:
-        gpu_warmup()
+        common.gpu_warmup(1.0, 4096)
     bw = copy_bandwidth(1 << 22 if args.smoke else 4 << 30)
     payload["copy_bandwidth_Bps"] = bw
     log(f"{env['device']} jax {env['jax']}: copy bandwidth {bw / 1e12:.3f} TB/s")

@@ -49,6 +49,7 @@ import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -60,6 +61,7 @@ except ImportError:  # pragma: no cover
     def tqdm(x, **_):
         return x
 
+from benchmarks.common import gpu_warmup  # noqa: E402
 from pallas_kernels.ragged_paged_attention.layout import pages_needed, ragged_metadata  # noqa: E402
 from pallas_kernels.ragged_paged_attention.kernel import (  # noqa: E402
     block_config,
@@ -266,16 +268,6 @@ def kv_bytes(batch, ctx, q_len):
 
 def n_iters(est_s):
     return int(min(48, max(6, math.ceil(4e-3 / max(est_s, 1e-7)))))
-
-
-def gpu_warmup(seconds=2.0):
-    """Run matrix products for a while so the SM clock leaves idle before anything is timed."""
-    a = jax.random.normal(jax.random.PRNGKey(2), (8192, 8192), jnp.bfloat16)
-    f = jax.jit(lambda x: (x @ x) * 1e-3)
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a = f(a)
-        a.block_until_ready()
 
 
 def time_kv_write(rng, page_size):

@@ -111,6 +111,16 @@ def random_model(cfg, dtype=jnp.bfloat16, seed: int = 0):
     return nnx.merge(graphdef, state)
 
 
+def gpu_warmup(seconds: float = 2.0, size: int = 8192) -> None:
+    """Run matrix products for a while so the SM clock leaves idle before anything is timed."""
+    a = jax.random.normal(jax.random.PRNGKey(2), (size, size), jnp.bfloat16)
+    f = jax.jit(lambda x: (x @ x) * 1e-3)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a = f(a)
+        a.block_until_ready()
+
+
 def write_results(name: str, payload: dict, table_md: str, out_dirs=()) -> list[Path]:
     """JSON + markdown into each of ``out_dirs``, or into benchmarks/results when none is given
     (a run pointed elsewhere, such as a CPU smoke test or a device run's $OUT, leaves the
