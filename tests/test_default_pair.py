@@ -54,3 +54,23 @@ def test_default_pair_equals_plain_greedy(greedy, arm):
     assert [r.token_ids for r in res] == greedy
     accepted = [a for r in res for a in r.stats["spec"]["accept_lens"]]
     assert max(accepted) > 2  # the trained drafters really deliver multi-token rounds
+
+
+def test_from_pretrained_calibrates_with_the_drafters_own_sts():
+    """The Python API serves the drafter folder's sts.json unless told otherwise (as the CLI and the
+    server do); data collection and an explicit opt-out keep the raw head."""
+    import numpy as np
+
+    from dspark_jax.calibration.sts import StsCalibration
+    from dspark_jax.drafter.checkpoint import drafter_sts_path
+    from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
+
+    path = drafter_sts_path(default_drafter_path())
+    assert path is not None
+    want = np.asarray(StsCalibration.load(path).temperatures, np.float32)
+    assert not np.allclose(want, 1.0)
+    ec = EngineConfig(max_running_requests=2, max_model_len=128, precompile=False)
+    eng = SpeculativeEngine.from_pretrained(default_model_path(), default_drafter_path(), ec)
+    np.testing.assert_array_equal(np.asarray(eng.sts_temperatures), want)
+    raw = SpeculativeEngine.from_pretrained(default_model_path(), default_drafter_path(), ec, sts_from_folder=False)
+    assert np.all(np.asarray(raw.sts_temperatures) == 1.0)

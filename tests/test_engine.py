@@ -180,3 +180,24 @@ def test_text_is_the_same_read_every_commit_or_once(tiny_engine):
         seen = streamed.text
     assert streamed.finish_reason == batch.finish_reason == "length"
     assert streamed.text == batch.text == tok.decode(ids)
+
+
+def test_abort_forgets_running_and_waiting_requests(hf_model_dir):
+    eng = Engine.from_pretrained(hf_model_dir, EngineConfig(max_running_requests=1, max_prefill_tokens=64,
+                                                            max_model_len=256, precompile=False))
+    params = SamplingParams(max_new_tokens=50, ignore_eos=True)
+    eng.add_request([5, 6, 7], params, request_id="run")
+    eng.add_request([5, 6, 8], params, request_id="wait")  # one slot: this one waits
+    for _ in range(3):
+        eng.step()
+    assert eng.get_request("run").output_ids and not eng.get_request("wait").output_ids
+    for rid in ("wait", "run"):
+        eng.abort(rid)
+        assert eng.get_request(rid) is None
+    assert not eng.has_unfinished()
+    # The ids are free again, and the pool holds no page of the aborted requests.
+    eng.add_request([5, 6, 7], SamplingParams(max_new_tokens=3, ignore_eos=True), request_id="run")
+    while eng.has_unfinished():
+        eng.step()
+    eng.pool.check_invariants()
+    assert eng.pool.num_free_pages == eng.pool.num_usable_pages

@@ -42,7 +42,8 @@ def _engine(args):
 
     sts = StsCalibration.load(args.sts_path) if args.sts_path else None  # explicit: this measures calibration
     spec = SpeculativeConfig(mode="static", sts=sts, record_sts_dir=args.record_sts_dir)
-    return SpeculativeEngine.from_pretrained(target, args.drafter or default_drafter_path(), ec, spec)
+    return SpeculativeEngine.from_pretrained(target, args.drafter or default_drafter_path(), ec, spec,
+                                             sts_from_folder=False)
 
 
 def evaluate(engine, prompts: list[dict], temperatures: list[float], max_new_tokens: int, seed: int) -> dict:

@@ -165,8 +165,11 @@ class Engine:
         return self._requests.get(request_id)
 
     def abort(self, request_id: str) -> None:
+        """Finish a request with reason "abort" and forget it: its slot and KV pages go back now
+        (a waiting one held none), and its id may be used again."""
         self.scheduler.abort(request_id)
-        self.scheduler.release_finished()
+        self._release_finished()
+        self._requests.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

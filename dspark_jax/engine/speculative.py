@@ -177,10 +177,15 @@ class SpeculativeEngine(Engine):
 
     @classmethod
     def from_pretrained(cls, path, draft_path, config: EngineConfig | None = None,
-                        spec: SpeculativeConfig | None = None, *, block_size: int | None = None) -> "SpeculativeEngine":
-        """Target folder (Hugging Face Qwen3) + drafter folder (dspark_jax/drafter/checkpoint.py)."""
+                        spec: SpeculativeConfig | None = None, *, block_size: int | None = None,
+                        sts_from_folder: bool = True) -> "SpeculativeEngine":
+        """Target folder (Hugging Face Qwen3) + drafter folder (dspark_jax/drafter/checkpoint.py).
+
+        With no ``spec.sts``, the drafter folder's own sts.json calibrates the confidences (as the
+        CLI and the server do), unless ``sts_from_folder`` is False or the engine records STS data
+        (which needs the raw head)."""
         from dspark_jax.checkpoint import load_model
-        from dspark_jax.drafter.checkpoint import load_drafter
+        from dspark_jax.drafter.checkpoint import drafter_sts_path, load_drafter
         from dspark_jax.errors import CheckpointError
 
         ec = config or EngineConfig()
@@ -192,6 +197,10 @@ class SpeculativeEngine(Engine):
                 raise CheckpointError(f"drafter {draft_path} does not fit target {path}: {f} {getattr(dcfg, f)} != {getattr(tcfg, f)}")
         if block_size is not None and block_size != dcfg.block_size:
             raise CheckpointError(f"--block-size {block_size} differs from the drafter's trained block size {dcfg.block_size}")
+        spec = spec or SpeculativeConfig()
+        sts_path = drafter_sts_path(draft_path)
+        if spec.sts is None and sts_from_folder and not spec.record_sts_dir and sts_path is not None:
+            spec = dataclasses.replace(spec, sts=StsCalibration.load(sts_path))
         return cls(model, Tokenizer.from_folder(path), drafter, ec, spec)
 
     # -- compilation ------------------------------------------------------------------------
