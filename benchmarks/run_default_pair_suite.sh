@@ -13,6 +13,8 @@
 #            adds options, TABLE names a cost table other than the sps stage's)
 #   fp32     the equality check again in fp32 with exact matmuls at batch 8 / 64 (no timing claims):
 #            tells bf16 rounding (a near-tie flipping) from an algorithmic difference
+#   dispatch what the call dispatching one round costs on the host, and how much pre-placed inputs or
+#            flat argument lists would save (benchmarks/profile_dispatch.py)
 #   host     cProfile of the engine's host loop at batch 64 on held-out math prompts
 #            (benchmarks/profile_host_round.py)
 #   kernel   verify / decode cost ratio of the attention kernel's options (whatever time is left)
@@ -75,6 +77,11 @@ for stage in $STAGES; do
           --arms none,static,compact,mtp --batch-sizes 8 64 --repeats 1 --dtype float32 --matmul-precision highest \
           --tag _fp32_highest --out-dir "$OUT" > "$OUT/bench_fp32.log" 2>&1 || echo "fp32 check cut short or failed"
       tail -n 20 "$OUT/bench_fp32.log"
+      ;;
+    dispatch)
+      timeout 150 "$PYTHON" benchmarks/profile_dispatch.py --batch-size 64 --out-dir "$OUT" > "$OUT/dispatch.log" 2>&1 \
+          || echo "dispatch profile failed"
+      tail -n 8 "$OUT/dispatch.log"
       ;;
     host)
       timeout $(( $(left) - 5 )) "$PYTHON" benchmarks/profile_host_round.py --batch-size 64 --mode compact --corpus "$CORPUS" \

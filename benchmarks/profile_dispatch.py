@@ -1,0 +1,129 @@
+"""How long the host spends dispatching one speculative round, and on what.
+
+On the GPU host a batch-64 round of the embedded default pair spends ~1.8 ms inside the call of
+the round executable (benchmarks/results/host_round_profile_bs64_compact_math_gpu_*.txt), more
+than any other host step.  That call flattens the argument pytrees, transfers the round's ~14
+small host arrays (SpecInputs) to the device and launches.  This replays one real round's
+arguments (captured from a SpeculativeEngine at --batch-size) and times the call, returning as
+soon as the work is enqueued, in three forms:
+
+  as sent      what the engine sends: nnx states, SpecInputs of numpy arrays
+  inputs on device  the same, SpecInputs put on the device beforehand (what packing or an
+               earlier transfer could save)
+  flat leaves  states and inputs as flat lists of device arrays (the pytree flattening's share)
+
+Each form: --calls calls, each followed by a wait for the device (so queues never fill), the
+dispatch time alone (call to return) reported as the median; JSON + markdown via write_results.
+
+    python benchmarks/profile_dispatch.py --batch-size 64 --out-dir $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax
+import numpy as np
+
+from benchmarks.common import environment, write_results
+
+
+def capture_round(batch_size: int):
+    """(compiled round executable, its positional arguments, the engine) of a real compact round;
+    the caches in the captured arguments were donated: use the engine's current ones."""
+    from dspark_jax.default_model import default_drafter_path, default_model_path
+    from dspark_jax.engine import EngineConfig
+    from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
+    from dspark_jax.sampling import SamplingParams
+
+    eng = SpeculativeEngine.from_pretrained(
+        default_model_path(), default_drafter_path(),
+        EngineConfig(max_running_requests=batch_size, max_model_len=256, precompile=False),
+        SpeculativeConfig(mode="compact"))
+    seen = {}
+    compiled = eng._compiled_spec
+
+    def recording(T, S):
+        fn = compiled(T, S)
+
+        def call(*args):
+            seen["fn"], seen["args"], seen["T"] = fn, args, T
+            return fn(*args)
+        return call
+
+    eng._compiled_spec = recording
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(10, eng.config.vocab_size, size=32).tolist() for _ in range(batch_size)]
+    eng.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    return seen["fn"], seen["args"], seen["T"], eng
+
+
+def time_dispatch(call, calls: int) -> float:
+    out = call()
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        out = call()
+        times.append(time.perf_counter() - t0)
+        jax.block_until_ready(out)
+    return float(np.median(times))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--out-dir", action="append", default=[])
+    args = ap.parse_args(argv)
+
+    fn, call_args, T, eng = capture_round(args.batch_size)
+    tstate, dstate, _, _, inp, sts = call_args
+    tcache, dcache = eng.tcache, eng.dcache
+    on_device = jax.device_put(inp)
+    n_host = sum(isinstance(x, np.ndarray) or np.isscalar(x) for x in jax.tree.leaves(inp))
+    # The round donates both caches: every call hands the next one the caches it returned.
+    state = {"tc": tcache, "dc": dcache}
+
+    def as_sent(inputs):
+        def call():
+            out, state["tc"], state["dc"] = fn(tstate, dstate, state["tc"], state["dc"], inputs, sts)
+            return out
+        return call
+
+    treedef = jax.tree.structure(call_args)
+    jitted = eng._spec_jit[eng.spec.mode]
+    flat_fn = jax.jit(lambda leaves: jitted(*jax.tree.unflatten(treedef, leaves), num_tokens=T))
+    results = {
+        "as sent": time_dispatch(as_sent(inp), args.calls),
+        "inputs on device": time_dispatch(as_sent(on_device), args.calls),
+    }
+    leaves = jax.tree.leaves((tstate, dstate, state["tc"], state["dc"], on_device, sts))
+    try:  # no donation through this wrapper: each call copies the caches (device work, not dispatch)
+        flat_fn = flat_fn.lower(leaves).compile()
+        results["flat leaves"] = time_dispatch(lambda: flat_fn(leaves), args.calls)
+    except Exception as e:  # noqa: BLE001 - report, do not fail the other forms
+        results["flat leaves"] = f"failed: {type(e).__name__}: {e}"[:200]
+    env = environment()
+    payload = {"env": env, "batch_size": args.batch_size, "calls": args.calls, "host_input_arrays": n_host,
+               "dispatch_seconds": results}
+    md = [f"# Dispatch of one speculative round, batch {args.batch_size} ({env['device']}, jax {env['jax']}, "
+          f"{env['date']}, commit {env['commit']})\n",
+          f"Median host time of the call (to its return, the work enqueued) over {args.calls} calls; "
+          f"the round's inputs hold {n_host} host arrays.\n",
+          "| form | dispatch ms |", "|---|---:|"]
+    md += [f"| {k} | {v * 1e3:.3f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in results.items()]
+    for p in write_results(f"dispatch_bs{args.batch_size}_{env['platform']}{args.tag}", payload, "\n".join(md) + "\n",
+                           args.out_dir):
+        print("wrote", p)
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
