@@ -175,6 +175,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default=None, help="engine compute dtype (default: the checkpoint's)")
     ap.add_argument("--matmul-precision", default=None, help="jax_default_matmul_precision, e.g. highest: "
                     "with --dtype float32, separates numerics from algorithm when outputs differ")
+    ap.add_argument("--lazy-compile", action="store_true", help="compile each shape on first use (the warm-up "
+                    "pass), not every tier at start-up: for equality checks, where start-up time matters more")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out-dir", action="append", default=[])
     args = ap.parse_args(argv)
@@ -202,7 +204,8 @@ def main(argv=None):
         if len(tok.encode(p["prompt"])) <= args.max_prompt_tokens:
             by_workload.setdefault(p["workload"], []).append(p["prompt"])
     ec = EngineConfig(max_running_requests=max(args.batch_sizes),
-                      max_model_len=args.max_prompt_tokens + args.max_new_tokens + 32, dtype=args.dtype)
+                      max_model_len=args.max_prompt_tokens + args.max_new_tokens + 32, dtype=args.dtype,
+                      precompile=not args.lazy_compile)
     engines, setup = {}, {}
     for arm in arms:
         t0 = time.perf_counter()
