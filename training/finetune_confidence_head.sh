@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Fine-tune the embedded DSpark drafter's confidence head on greedy labels and refit STS for it, in
+# ONE device command (at most 10 minutes), carrying .data/corpus:
+#
+#   training/finetune_confidence_head.sh
+#
+# Why: the head is trained on the T=1 soft label c* = 1 - L1/2, and one temperature per position
+# (STS) leaves its T=0 calibration at 2.7-3.9% ECE (goal 2%).  Greedy labels train it on the event
+# that decides acceptance at T=0 (dspark_jax/drafter/losses.py).
+#
+#   1. training/train_default_drafter.sh, stages data probe train export, starting from the embedded
+#      drafter with only the confidence head trainable (every other weight stays bit-identical);
+#      the last step is exported (best/ is picked by held-out tau, which head-only training does not
+#      move).
+#   2. benchmarks/run_default_pair_suite.sh stage sts on the exported folder: record full-block rounds
+#      on the validation split, fit STS, write sts.json into the folder.
+#   3. the folder is packed into $OUT/finetuned-drafter.tar.  Read the STS fit (ECE before / after)
+#      first; held-out tau and ECE per workload: STAGES=tau DRAFTER=<folder> run_default_pair_suite.sh
+#      in the next command, then install the folder as dspark_jax/assets/default-dspark.
+#
+# TRAIN_BUDGET and STS_BUDGET split the ten minutes; DATA_TIME bounds the self-distillation data.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/finetune-head-out}
+WORK=${WORK:-runs/finetune-head}
+START=${START:-dspark_jax/assets/default-dspark}
+mkdir -p "$OUT" "$WORK"
+
+BUDGET=${TRAIN_BUDGET:-330} OUT="$OUT/train" RUN="$WORK/run" DATA="$WORK/data" DATA_TIME=${DATA_TIME:-80} \
+  STAGES="data probe train export" EXPORT_FROM= \
+  TRAIN_EXTRA="--init-from $START --trainable confidence --confidence-label greedy ${TRAIN_EXTRA:-}" \
+  training/train_default_drafter.sh
+
+rm -rf "$WORK/drafter"
+cp -r "$WORK/run/default-drafter" "$WORK/drafter"
+PACK=0 BUDGET=${STS_BUDGET:-200} OUT="$OUT/suite" DRAFTER="$WORK/drafter" STAGES=sts \
+  benchmarks/run_default_pair_suite.sh
+tar -C "$WORK" -cf "$OUT/finetuned-drafter.tar" drafter
+ls -l "$OUT"
