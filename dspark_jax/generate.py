@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--verify-mode", default="static", choices=["static", "compact", "cap-accept"])
     ap.add_argument("--block-size", type=int, default=None, help="must equal the drafter's trained block size")
     ap.add_argument("--sps-table-path", default=None, help="additive step-cost table JSON (none: verify everything)")
+    ap.add_argument("--sps-level-correction", type=float, default=None, metavar="WEIGHT",
+                    help="learn the cost table's level from measured rounds with this moving-average weight in "
+                         "(0, 1], e.g. 0.1 (needs --sps-table-path; windows then follow wall-clock timing, so a "
+                         "seeded T > 0 run is not reproducible)")
     ap.add_argument("--sts-path", default=None, help="STS temperatures JSON (default: the drafter folder's "
                     "sts.json if it has one, else identity)")
     ap.add_argument("--record-sts-dir", default=None,
@@ -153,8 +157,20 @@ def _speculative_engine(args, model_path, ec):
         sts=StsCalibration.load(sts_path) if sts_path else None,
         cost_table=load_cost_table(args.sps_table_path),
         record_sts_dir=args.record_sts_dir,
+        step_time_correction=level_correction(args.sps_level_correction, args.sps_table_path),
     )
     return SpeculativeEngine.from_pretrained(model_path, draft, ec, spec, block_size=args.block_size)
+
+
+def level_correction(weight: float | None, table_path) -> float | None:
+    """--sps-level-correction, checked: a weight in (0, 1] that only means something with a table."""
+    if weight is None:
+        return None
+    if not 0 < weight <= 1:
+        raise ValueError(f"--sps-level-correction must be in (0, 1], got {weight}")
+    if table_path is None:
+        raise ValueError("--sps-level-correction corrects a cost table: pass --sps-table-path")
+    return weight
 
 
 def _mtp_engine(args, model_path, ec):
@@ -164,7 +180,8 @@ def _mtp_engine(args, model_path, ec):
     draft = _drafter_folder(args, default_mtp_path, "an MTP drafter folder")
     dspark_only = [f for f, v in (("--verify-mode", args.verify_mode != "static"), ("--block-size", args.block_size),
                                   ("--sps-table-path", args.sps_table_path), ("--sts-path", args.sts_path),
-                                  ("--record-sts-dir", args.record_sts_dir)) if v]
+                                  ("--record-sts-dir", args.record_sts_dir),
+                                  ("--sps-level-correction", args.sps_level_correction)) if v]
     if dspark_only:
         raise ValueError(f"{', '.join(dspark_only)}: DSpark options, not used by --speculative mtp")
     return MTPEngine.from_pretrained(model_path, draft, ec, num_steps=args.mtp_steps)

@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="DSpark verify mode (SGLANG_RAGGED_VERIFY_MODE)")
     ap.add_argument("--block-size", type=int, help="DSpark block size; must equal the drafter's trained block size")
     ap.add_argument("--sps-table-path", help="SPS cost table JSON (compact mode budget); default: verify everything")
+    ap.add_argument("--sps-level-correction", type=float, metavar="WEIGHT",
+                    help="learn the cost table's level from measured rounds (moving-average weight in (0, 1], "
+                         "e.g. 0.1; needs --sps-table-path; seeded T > 0 output then follows timing)")
     ap.add_argument("--sts-path", help="STS confidence calibration JSON; default: the drafter folder's sts.json "
                     "if it has one, else identity temperatures")
     ap.add_argument("--max-running-requests", type=int, default=16, help="decode slots (continuous batching)")
@@ -74,7 +77,8 @@ def resolve(args, ap) -> dict:
             ap.error("--speculative-algorithm MTP needs --draft-model-path, an MTP drafter folder "
                      "(the embedded one only serves the embedded default model)")
         dspark_only = [f for f, v in (("--verify-mode", args.verify_mode != "static"), ("--block-size", args.block_size),
-                                      ("--sps-table-path", args.sps_table_path), ("--sts-path", args.sts_path)) if v]
+                                      ("--sps-table-path", args.sps_table_path), ("--sts-path", args.sts_path),
+                                      ("--sps-level-correction", args.sps_level_correction)) if v]
         if dspark_only:
             ap.error(f"{', '.join(dspark_only)}: DSpark options, not used by --speculative-algorithm MTP")
     elif args.mtp_steps is not None:
@@ -85,6 +89,13 @@ def resolve(args, ap) -> dict:
         draft = None
         if using_default and default_drafter_path() is None:
             log.info("no DSpark drafter is shipped for the embedded default model yet: serving it non-speculatively")
+    if algo == "DSPARK":
+        from dspark_jax.generate import level_correction
+
+        try:
+            level_correction(args.sps_level_correction, args.sps_table_path)
+        except ValueError as e:
+            ap.error(str(e))
     return {"model_path": model_path, "draft": Path(draft) if draft else None, "algo": algo}
 
 
@@ -121,8 +132,11 @@ def build_engine(args, r: dict):
     from dspark_jax.speculative.cost_model import load_cost_table
 
     sts_path = args.sts_path or drafter_sts_path(r["draft"])
+    from dspark_jax.generate import level_correction
+
     spec = SpeculativeConfig(mode=args.verify_mode, cost_table=load_cost_table(args.sps_table_path),
-                             sts=StsCalibration.load(sts_path) if sts_path else None)
+                             sts=StsCalibration.load(sts_path) if sts_path else None,
+                             step_time_correction=level_correction(args.sps_level_correction, args.sps_table_path))
     return SpeculativeEngine.from_pretrained(r["model_path"], r["draft"], ec, spec, block_size=args.block_size)
 
 

@@ -60,6 +60,16 @@ def test_speculative_flags_give_plain_greedy_tokens_and_spec_stats(hf_model_dir,
     for got, w in zip(lines, want):
         assert got["token_ids"] == w.token_ids
         assert got["stats"]["spec"]["verify_ct"] >= 1
+    # The online level correction of a cost table: the same greedy tokens; it needs a table.
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"bias_seconds": 1e-3, "bs_probes": [1, 4], "alpha_seconds": [0.0, 1e-4],
+                                 "m_probes": [1, 8, 16], "theta_seconds": [0.0, 1e-3, 4e-3]}))
+    p = _run(*common, "--verify-mode", "compact", "--sps-table-path", str(table), "--sps-level-correction", "0.3")
+    assert p.returncode == 0, p.stderr
+    lines = [json.loads(l) for l in p.stdout.strip().splitlines()]
+    assert [got["token_ids"] for got in lines] == [w.token_ids for w in want]
+    p = _run(*common, "--sps-level-correction", "0.3")
+    assert p.returncode == 1 and "--sps-table-path" in p.stderr
     p = _run(*common, "--block-size", "7")
     assert p.returncode == 1 and "block size" in p.stderr
     p = _run(*common[:-2])  # no drafter folder and none embedded

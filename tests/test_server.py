@@ -529,3 +529,17 @@ def test_speculative_server_concurrent_streams_and_disconnect(tmp_path_factory):
                 assert _get(S, "/server_info").json()["internal_states"][0]["kv_used_pages"] > 0
         info = _wait_idle(S)
         assert info["memory_usage"]["kv_used_pages"] == 0 and engine.pool.num_free_pages == engine.pool.num_usable_pages
+
+
+def test_launch_checks_the_level_correction_flag(tmp_path, capsys):
+    from serving.launch import build_parser, resolve
+
+    ap = build_parser()
+    for argv, message in ((["--sps-level-correction", "0.2"], "--sps-table-path"),
+                          (["--sps-level-correction", "2", "--sps-table-path", "t.json"], "(0, 1]"),
+                          (["--speculative-algorithm", "MTP", "--sps-level-correction", "0.2"], "DSpark options")):
+        with pytest.raises(SystemExit):
+            resolve(ap.parse_args(argv), ap)
+        assert message in capsys.readouterr().err
+    r = resolve(ap.parse_args(["--sps-level-correction", "0.2", "--sps-table-path", "t.json"]), ap)
+    assert r["algo"] == "DSPARK"
