@@ -1,16 +1,16 @@
 """How long the host spends dispatching one speculative round, and on what.
 
-On the GPU host a batch-64 round of the embedded default pair spends ~1.8 ms inside the call of
+On the GPU host a batch-64 round of the embedded default pair spent ~1.8 ms inside the call of
 the round executable (benchmarks/results/host_round_profile_bs64_compact_math_gpu_*.txt), more
-than any other host step.  That call flattens the argument pytrees, transfers the round's ~14
-small host arrays (SpecInputs) to the device and launches.  This replays one real round's
-arguments (captured from a SpeculativeEngine at --batch-size) and times the call, returning as
-soon as the work is enqueued, in three forms:
+than any other host step.  That call flattens the argument pytrees, transfers the round's ~12
+small host arrays (SpecInputs) to the device and launches.  The engine now passes its parameter
+states as flat leaf lists (dspark_jax/engine/flat_state.py; on a 2-core CPU that cut the call from
+~0.73 to ~0.59 ms).  This replays one real round's arguments (captured from a SpeculativeEngine at
+--batch-size) and times the call, returning as soon as the work is enqueued, in two forms:
 
-  as sent      what the engine sends: nnx states, SpecInputs of numpy arrays
-  inputs on device  the same, SpecInputs put on the device beforehand (what packing or an
-               earlier transfer could save)
-  flat leaves  states and inputs as flat lists of device arrays (the pytree flattening's share)
+  as sent           what the engine sends: flat state lists, SpecInputs of host arrays
+  inputs on device  the same with SpecInputs put on the device beforehand: what packing the
+                    inputs into fewer transfers could save at most
 
 Each form: --calls calls, each followed by a wait for the device (so queues never fill), the
 dispatch time alone (call to return) reported as the median; JSON + markdown via write_results.
@@ -52,7 +52,7 @@ def capture_round(batch_size: int):
         fn = compiled(T, S)
 
         def call(*args):
-            seen["fn"], seen["args"], seen["T"] = fn, args, T
+            seen["fn"], seen["args"] = fn, args
             return fn(*args)
         return call
 
@@ -60,7 +60,7 @@ def capture_round(batch_size: int):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(10, eng.config.vocab_size, size=32).tolist() for _ in range(batch_size)]
     eng.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
-    return seen["fn"], seen["args"], seen["T"], eng
+    return seen["fn"], seen["args"], eng
 
 
 def time_dispatch(call, calls: int) -> float:
@@ -83,8 +83,8 @@ def main(argv=None):
     ap.add_argument("--out-dir", action="append", default=[])
     args = ap.parse_args(argv)
 
-    fn, call_args, T, eng = capture_round(args.batch_size)
-    tstate, dstate, _, _, inp, sts = call_args
+    fn, call_args, eng = capture_round(args.batch_size)
+    tstate, dstate, _, _, inp, sts = call_args  # the states as the engine passes them (flat lists)
     tcache, dcache = eng.tcache, eng.dcache
     on_device = jax.device_put(inp)
     n_host = sum(isinstance(x, np.ndarray) or np.isscalar(x) for x in jax.tree.leaves(inp))
@@ -97,19 +97,10 @@ def main(argv=None):
             return out
         return call
 
-    treedef = jax.tree.structure(call_args)
-    jitted = eng._spec_jit[eng.spec.mode]
-    flat_fn = jax.jit(lambda leaves: jitted(*jax.tree.unflatten(treedef, leaves), num_tokens=T))
     results = {
         "as sent": time_dispatch(as_sent(inp), args.calls),
         "inputs on device": time_dispatch(as_sent(on_device), args.calls),
     }
-    leaves = jax.tree.leaves((tstate, dstate, state["tc"], state["dc"], on_device, sts))
-    try:  # no donation through this wrapper: each call copies the caches (device work, not dispatch)
-        flat_fn = flat_fn.lower(leaves).compile()
-        results["flat leaves"] = time_dispatch(lambda: flat_fn(leaves), args.calls)
-    except Exception as e:  # noqa: BLE001 - report, do not fail the other forms
-        results["flat leaves"] = f"failed: {type(e).__name__}: {e}"[:200]
     env = environment()
     payload = {"env": env, "batch_size": args.batch_size, "calls": args.calls, "host_input_arrays": n_host,
                "dispatch_seconds": results}
@@ -118,7 +109,7 @@ def main(argv=None):
           f"Median host time of the call (to its return, the work enqueued) over {args.calls} calls; "
           f"the round's inputs hold {n_host} host arrays.\n",
           "| form | dispatch ms |", "|---|---:|"]
-    md += [f"| {k} | {v * 1e3:.3f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in results.items()]
+    md += [f"| {k} | {v * 1e3:.3f} |" for k, v in results.items()]
     for p in write_results(f"dispatch_bs{args.batch_size}_{env['platform']}{args.tag}", payload, "\n".join(md) + "\n",
                            args.out_dir):
         print("wrote", p)

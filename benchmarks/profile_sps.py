@@ -67,8 +67,7 @@ def device_round_seconds(eng: SpeculativeEngine, bs: int, K: int, args) -> tuple
     fn = eng._compiled_spec(T, S)
 
     def run():
-        out, eng.tcache, eng.dcache = fn(eng.target_state, eng.drafter_state, eng.tcache, eng.dcache, inp,
-                                         eng.sts_temperatures)
+        out, eng.tcache, eng.dcache = fn(*eng.state_args, eng.tcache, eng.dcache, inp, eng.sts_temperatures)
         jax.block_until_ready(out.bonus)
 
     t = time_fn(run, warmup=3, iters=args.iters)

@@ -13,8 +13,8 @@
 #            adds options, TABLE names a cost table other than the sps stage's)
 #   fp32     the equality check again in fp32 with exact matmuls at batch 8 / 64 (no timing claims):
 #            tells bf16 rounding (a near-tie flipping) from an algorithmic difference
-#   dispatch what the call dispatching one round costs on the host, and how much pre-placed inputs or
-#            flat argument lists would save (benchmarks/profile_dispatch.py)
+#   dispatch what the call dispatching one round costs on the host, and how much pre-placed inputs
+#            would save (benchmarks/profile_dispatch.py)
 #   host     cProfile of the engine's host loop at batch 64 on held-out math prompts
 #            (benchmarks/profile_host_round.py)
 #   kernel   verify / decode cost ratio of the attention kernel's options (whatever time is left)

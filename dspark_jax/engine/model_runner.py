@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from dspark_jax.engine.flat_state import flatten_states, with_flat_states
 from dspark_jax.forward_batch import ForwardBatch, shape_struct
 from dspark_jax.kv_cache import KVCache
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
@@ -76,6 +77,7 @@ class ModelRunner:
         lazy: compile a bucket on first use instead of failing (benchmarks, quick scripts).
         norm_backend: how residual add + RMSNorm run (models/qwen3.py ``add_rms_norm``)."""
         self.graphdef, self.state = nnx.split(model)
+        (self.state_leaves,), state_defs = flatten_states(self.state)  # dispatched as a flat list
         self.config = model.config
         self.cache = cache
         self.pages_per_seq = pages_per_seq
@@ -92,7 +94,7 @@ class ModelRunner:
                 return sample(out.logits, *sampling), out.cache
 
             # Positional donation: the cache buffers are reused in place, never copied.
-            return jax.jit(step, donate_argnums=(1,))
+            return jax.jit(with_flat_states(step, state_defs), donate_argnums=(1,))
 
         self._jitted = {True: make_step(True), False: make_step(False)}
 
@@ -100,7 +102,7 @@ class ModelRunner:
         """Lower and compile every (tokens, seqs, logits rows) bucket; returns seconds spent."""
         t0 = time.perf_counter()
         abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
-        state_s, cache_s = abstract(self.state), abstract(self.cache)
+        state_s, cache_s = abstract(self.state_leaves), abstract(self.cache)
         for b in buckets:
             if b in self._compiled:
                 continue
@@ -122,7 +124,7 @@ class ModelRunner:
             fn = self._compiled[key]
         if fn is None:
             raise KeyError(f"no compiled executable for bucket {key}; compiled: {sorted(self._compiled)}")
-        tokens, self.cache = fn(self.state, self.cache, batch, sampling)
+        tokens, self.cache = fn(self.state_leaves, self.cache, batch, sampling)
         return tokens
 
     @property

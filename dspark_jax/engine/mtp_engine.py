@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.engine.engine import Engine, EngineConfig
+from dspark_jax.engine.flat_state import flatten_states, with_flat_states
 from dspark_jax.engine.request import Status
 from dspark_jax.engine.spec_rounds import commit_round, new_round_stats, summarize_rounds
 from dspark_jax.forward_batch import shape_struct
@@ -60,11 +61,15 @@ class MTPEngine(Engine):
         self.pending = allocate_pending(self.ec.max_running_requests, k, self.config.hidden_size, model.dtype)
         self.target_def, self.target_state = runner.graphdef, runner.state
         self.drafter_def, self.drafter_state = nnx.split(drafter)
-        self._prefill_jit = jax.jit(functools.partial(mtp_prefill_step, self.target_def, self.drafter_def,
-                                                      backend=self.backend), donate_argnums=(2, 3, 4))
-        self._spec_jit = jax.jit(functools.partial(mtp_spec_step, self.target_def, self.drafter_def,
-                                                   page_size=self.pool.page_size, backend=self.backend),
-                                 donate_argnums=(2, 3, 4), static_argnames=("num_tokens",))
+        # The steps take both states as flat leaf lists (engine/flat_state.py: cheaper dispatch).
+        self.state_args, state_defs = flatten_states(self.target_state, self.drafter_state)
+        self._prefill_jit = jax.jit(
+            with_flat_states(functools.partial(mtp_prefill_step, self.target_def, self.drafter_def,
+                                               backend=self.backend), state_defs), donate_argnums=(2, 3, 4))
+        self._spec_jit = jax.jit(
+            with_flat_states(functools.partial(mtp_spec_step, self.target_def, self.drafter_def,
+                                               page_size=self.pool.page_size, backend=self.backend), state_defs),
+            donate_argnums=(2, 3, 4), static_argnames=("num_tokens",))
         self._compiled: dict = {}
         self._slot_of: dict[str, int] = {}
         self.stats = new_round_stats()
@@ -114,7 +119,7 @@ class MTPEngine(Engine):
             s = jax.ShapeDtypeStruct
             samp = tuple(s((S,), d) for d in (np.float32, np.int32, np.float32, np.uint32, np.int32))
             self._compiled[key] = self._prefill_jit.lower(
-                self.target_state, self.drafter_state, self._abstract(self.tcache), self._abstract(self.dcache),
+                *self.state_args, self._abstract(self.tcache), self._abstract(self.dcache),
                 self._abstract(self.pending), shape_struct(T, S, self.pages_per_seq, S), samp,
                 s((T,), np.int32), s((S,), np.int32)).compile()
         return self._compiled[key]
@@ -127,7 +132,7 @@ class MTPEngine(Engine):
             inp = MTPInputs(s((S,), i32), s((S,), i32), s((S, self.pages_per_seq), i32), s((S,), np.bool_), s((), i32),
                             s((S,), i32), s((S,), np.float32), s((S,), i32), s((S,), np.float32), s((S,), np.uint32))
             self._compiled[key] = self._spec_jit.lower(
-                self.target_state, self.drafter_state, self._abstract(self.tcache), self._abstract(self.dcache),
+                *self.state_args, self._abstract(self.tcache), self._abstract(self.dcache),
                 self._abstract(self.pending), inp, num_tokens=T).compile()
         return self._compiled[key]
 
@@ -160,7 +165,7 @@ class MTPEngine(Engine):
             t += n
         fn = self._compiled_prefill(T, S)
         tokens, self.tcache, self.dcache, self.pending = fn(
-            self.target_state, self.drafter_state, self.tcache, self.dcache, self.pending, batch, samp, next_ids,
+            *self.state_args, self.tcache, self.dcache, self.pending, batch, samp, next_ids,
             final_slot)
         events = self._commit_prefill(chunks, tokens)
         for r, _ in events:
@@ -176,7 +181,7 @@ class MTPEngine(Engine):
                         table, live, np.int32(bs), pad([self._slot_of[r.id] for r in reqs], np.int32),
                         temp, top_k, top_p, seed)
         fn = self._compiled_spec(T, S)
-        out, self.tcache, self.dcache, self.pending = fn(self.target_state, self.drafter_state, self.tcache,
+        out, self.tcache, self.dcache, self.pending = fn(*self.state_args, self.tcache,
                                                          self.dcache, self.pending, inp)
         return self._commit(reqs, jax.device_get(out))  # the one host read per round
 

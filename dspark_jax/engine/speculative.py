@@ -42,6 +42,7 @@ from flax import nnx
 from dspark_jax.calibration.sts import StsCalibration
 from dspark_jax.drafter.model import DSparkDrafter
 from dspark_jax.engine.engine import Engine, EngineConfig
+from dspark_jax.engine.flat_state import flatten_states, with_flat_states
 from dspark_jax.engine.request import Status
 from dspark_jax.engine.spec_rounds import commit_round, new_round_stats, summarize_rounds
 from dspark_jax.forward_batch import shape_struct
@@ -147,13 +148,17 @@ class SpeculativeEngine(Engine):
         self.dcache = KVCache(zeros(), zeros())
         self.target_def, self.target_state = runner.graphdef, runner.state
         self.drafter_def, self.drafter_state = nnx.split(drafter)
+        # The steps take both states as flat leaf lists (engine/flat_state.py: cheaper dispatch).
+        self.state_args, state_defs = flatten_states(self.target_state, self.drafter_state)
         backend = self.backend
-        self._prefill_jit = jax.jit(functools.partial(prefill_step, self.target_def, self.drafter_def, backend=backend),
-                                    donate_argnums=(2, 3))
+        self._prefill_jit = jax.jit(
+            with_flat_states(functools.partial(prefill_step, self.target_def, self.drafter_def, backend=backend),
+                             state_defs), donate_argnums=(2, 3))
         self._spec_jit = {}
         for mode in MODES:
             self._spec_jit[mode] = jax.jit(
-                functools.partial(spec_step, self.target_def, self.drafter_def, mode=mode, page_size=ps, backend=backend),
+                with_flat_states(functools.partial(spec_step, self.target_def, self.drafter_def, mode=mode,
+                                                   page_size=ps, backend=backend), state_defs),
                 donate_argnums=(2, 3), static_argnames=("num_tokens",))
         self._compiled: dict = {}
         self._num_probes = self.estimator.max_pending if self.estimator is not None else 0
@@ -224,7 +229,7 @@ class SpeculativeEngine(Engine):
             T, S, R = key
             samp = tuple(jax.ShapeDtypeStruct((R,), d) for d in (np.float32, np.int32, np.float32, np.uint32, np.int32))
             self._compiled[key] = self._prefill_jit.lower(
-                self.target_state, self.drafter_state, self._abstract(self.tcache), self._abstract(self.dcache),
+                *self.state_args, self._abstract(self.tcache), self._abstract(self.dcache),
                 shape_struct(T, S, self.pages_per_seq, R), samp).compile()
         return self._compiled[key]
 
@@ -238,7 +243,7 @@ class SpeculativeEngine(Engine):
                              s((), i32), s((S,), np.float32), s((S,), i32), s((S,), np.float32), s((S,), np.uint32),
                              s((R,), i32), s((R,), i32), s((S,), i32), s((S, self.gamma + 1, self._num_probes), i32))
             self._compiled[key] = self._spec_jit[self.spec.mode].lower(
-                self.target_state, self.drafter_state, self._abstract(self.tcache), self._abstract(self.dcache), inp,
+                *self.state_args, self._abstract(self.tcache), self._abstract(self.dcache), inp,
                 self._abstract(self.sts_temperatures), num_tokens=T).compile()
         return self._compiled[key]
 
@@ -246,7 +251,7 @@ class SpeculativeEngine(Engine):
     def _prefill(self, chunks):
         T, S, batch, samp = self._prefill_inputs(chunks)
         fn = self._compiled_prefill((T, S, S))
-        tokens, self.tcache, self.dcache = fn(self.target_state, self.drafter_state, self.tcache, self.dcache, batch, samp)
+        tokens, self.tcache, self.dcache = fn(*self.state_args, self.tcache, self.dcache, batch, samp)
         events = self._commit_prefill(chunks, tokens, on_complete=self._assign_slot)
         for r, _ in events:  # done at its first token (EOS, max_new_tokens 1): the slot is free again
             if r.status is Status.FINISHED:
@@ -310,7 +315,7 @@ class SpeculativeEngine(Engine):
                          fed_index, probes)
         fn = self._compiled_spec(T, S)
         t0 = time.perf_counter()
-        out, self.tcache, self.dcache = fn(self.target_state, self.drafter_state, self.tcache, self.dcache, inp,
+        out, self.tcache, self.dcache = fn(*self.state_args, self.tcache, self.dcache, inp,
                                            self.sts_temperatures)
         for x in jax.tree.leaves((out[:7], out.estimate)):  # what _read needs; the fed arrays stay on device
             x.copy_to_host_async()
