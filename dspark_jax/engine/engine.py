@@ -46,8 +46,9 @@ class EngineConfig:
     max_prefill_tokens: int = 512
     max_prefill_seqs: int = 8
     attention_backend: str = "auto"  # auto | pallas | reference
-    # residual add + RMSNorm in the plain engine's steps: reference (jnp, XLA fuses it) | pallas (the
-    # fused kernel; not yet measured to beat XLA, so not the default) | auto (pallas on GPU)
+    # residual add + RMSNorm in the plain engine's steps: reference (plain jnp, left to XLA: three
+    # small kernels per norm at decode sizes) | pallas (the fused kernel; not yet measured to beat
+    # XLA, so not the default) | auto (pallas on GPU)
     norm_backend: str = "reference"
     unroll_decode: bool | None = None  # unroll the layer loop in decode steps; default: on GPU only
     dtype: str | None = None  # default: float32 on CPU (bf16 math is slow there), else the checkpoint's
