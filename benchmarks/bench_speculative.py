@@ -41,7 +41,6 @@ ARMS = ("none", "static", "compact+table", "compact", "mtp")  # run order: the g
 
 def build_engine(arm: str, target, ec, table):
     from dspark_jax.default_model import default_drafter_path, default_mtp_path
-    from dspark_jax.drafter.checkpoint import drafter_sts_path
     from dspark_jax.engine import Engine
     from dspark_jax.engine.mtp_engine import MTPEngine
     from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
@@ -50,13 +49,10 @@ def build_engine(arm: str, target, ec, table):
         return Engine.from_pretrained(target, ec)
     if arm == "mtp":
         return MTPEngine.from_pretrained(target, default_mtp_path(), ec)
-    from dspark_jax.calibration.sts import StsCalibration
-
-    sts_path = drafter_sts_path(default_drafter_path())
-    sts = StsCalibration.load(sts_path) if sts_path else None
     mode = "static" if arm == "static" else "compact"
     with_table = arm == "compact+table"
-    spec = SpeculativeConfig(mode=mode, sts=sts, cost_table=table if with_table else None,
+    # STS: the drafter folder's sts.json (from_pretrained's default).
+    spec = SpeculativeConfig(mode=mode, cost_table=table if with_table else None,
                              step_time_correction=0.1 if with_table else None)
     return SpeculativeEngine.from_pretrained(target, default_drafter_path(), ec, spec)
 

@@ -144,17 +144,16 @@ def _drafter_folder(args, embedded, what: str):
 def _speculative_engine(args, model_path, ec):
     from dspark_jax.calibration.sts import StsCalibration
     from dspark_jax.default_model import default_drafter_path
-    from dspark_jax.drafter.checkpoint import drafter_sts_path
     from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
     from dspark_jax.speculative.cost_model import load_cost_table
 
     draft = _drafter_folder(args, default_drafter_path, "a DSpark drafter folder")
 
-    # The drafter folder's own calibration unless one is named (recording needs raw confidences).
-    sts_path = args.sts_path or (None if args.record_sts_dir else drafter_sts_path(draft))
+    # No --sts-path: from_pretrained uses the drafter folder's own calibration (raw confidences
+    # when recording).
     spec = SpeculativeConfig(
         mode=args.verify_mode,
-        sts=StsCalibration.load(sts_path) if sts_path else None,
+        sts=StsCalibration.load(args.sts_path) if args.sts_path else None,
         cost_table=load_cost_table(args.sps_table_path),
         record_sts_dir=args.record_sts_dir,
         step_time_correction=level_correction(args.sps_level_correction, args.sps_table_path),

@@ -127,15 +127,12 @@ def build_engine(args, r: dict):
 
         return MTPEngine.from_pretrained(r["model_path"], r["draft"], ec, num_steps=args.mtp_steps)
     from dspark_jax.calibration.sts import StsCalibration
-    from dspark_jax.drafter.checkpoint import drafter_sts_path
     from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
+    from dspark_jax.generate import level_correction
     from dspark_jax.speculative.cost_model import load_cost_table
 
-    sts_path = args.sts_path or drafter_sts_path(r["draft"])
-    from dspark_jax.generate import level_correction
-
     spec = SpeculativeConfig(mode=args.verify_mode, cost_table=load_cost_table(args.sps_table_path),
-                             sts=StsCalibration.load(sts_path) if sts_path else None,
+                             sts=StsCalibration.load(args.sts_path) if args.sts_path else None,  # else the folder's
                              step_time_correction=level_correction(args.sps_level_correction, args.sps_table_path))
     return SpeculativeEngine.from_pretrained(r["model_path"], r["draft"], ec, spec, block_size=args.block_size)
 

@@ -17,6 +17,7 @@ import dataclasses
 
 from dspark_jax.config import Qwen3Config
 from dspark_jax.drafter.config import DSparkConfig
+from dspark_jax.drafter.losses import CONFIDENCE_LABELS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +69,8 @@ class DrafterTrainConfig:
             raise ValueError(f"warmup_steps must be in [0, steps], got {self.warmup_steps}")
         if self.anchor_chunk < 1:
             raise ValueError("anchor_chunk must be >= 1")
-        if self.confidence_label not in ("soft", "greedy"):
-            raise ValueError(f"confidence_label must be 'soft' or 'greedy', got {self.confidence_label!r}")
+        if self.confidence_label not in CONFIDENCE_LABELS:
+            raise ValueError(f"confidence_label must be one of {CONFIDENCE_LABELS}, got {self.confidence_label!r}")
         if self.trainable not in TRAINABLE:
             raise ValueError(f"trainable must be one of {tuple(TRAINABLE)}, got {self.trainable!r}")
         if self.trainable != "all" and self.init_from is None:
