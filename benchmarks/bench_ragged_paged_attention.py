@@ -560,6 +560,20 @@ RATIO_ARMS = {
     "waves2": (
         {}, {"split_target_waves": 2.0, "num_warps": 8, "num_stages": 2, "page_lookup": "inline", "block_n": 128},
         "verify splits the KV range for 2 waves of programs instead of 4 (longer programs)"),
+    # The flash-decoding split rule in latency-bound cells (batch <= 4, context <= 4k): the
+    # defaults split both phases into tiles of >= 512 KV tokens for 4 waves of programs.
+    "tok256": (
+        {"min_split_tokens": 256}, {"min_split_tokens": 256},
+        "defaults, splits of >= 256 KV tokens (twice as many splits where the floor binds)"),
+    "tok1024": (
+        {"min_split_tokens": 1024}, {"min_split_tokens": 1024},
+        "defaults, splits of >= 1024 KV tokens (half as many splits where the floor binds)"),
+    "waves1": (
+        {"split_target_waves": 1.0}, {"split_target_waves": 1.0},
+        "defaults, splits sized for one wave of programs instead of four"),
+    "bn128_carry": (
+        {}, {"page_lookup": "carry", "block_n": 128, "num_warps": 4, "num_stages": 3},
+        "verify with 128-token KV tiles and carried page ids (w4/s3); decode defaults"),
     "combo": (
         {"addressing": "flat", "prologue": "vector", "page_lookup": "carry", "block_n": 64,
          "num_warps": 4, "num_stages": 3},

@@ -6,8 +6,9 @@
 #   profile  per-kernel device times of the batch-1 decode step (benchmarks/profile_decode_step.py),
 #            once per attention backend (pallas, reference): slow kernels vs gaps between kernels
 #   decode   benchmarks/bench_decode.py at DECODE_BATCHES (chained and synced step times, HBM floor)
-#   ratio    verify / decode cost of the kernel's options over batch <= 16 and every context
-#            (benchmarks/bench_ragged_paged_attention.py --ratio), until the budget runs out
+#   ratio    verify / decode cost of the kernel's options (RATIO_ARMS) over RATIO_BATCHES x
+#            RATIO_CONTEXTS (benchmarks/bench_ragged_paged_attention.py --ratio), for at most
+#            RATIO_TIME seconds or until the budget runs out
 #   bench    the full kernel benchmark (bench_ragged_paged_attention.py --bench --defaults)
 #   norm     the fused residual-add + RMSNorm kernel against XLA (benchmarks/bench_fused_add_rms_norm.py)
 #   decode_fused  the decode benchmark at DECODE_BATCHES with --norm-backend pallas (the fused kernel in
@@ -24,6 +25,8 @@ STAGES=${STAGES:-profile decode ratio}
 DECODE_BATCHES=${DECODE_BATCHES:-1 4 16}
 RATIO_ARMS=${RATIO_ARMS:-w4s3,flat_vec,carry_bn64,combo}
 RATIO_CONTEXTS=${RATIO_CONTEXTS:-8192 32768 2048 512 4096 16384}
+RATIO_BATCHES=${RATIO_BATCHES:-4 16 1}
+RATIO_TIME=${RATIO_TIME:-600}  # at most this many seconds for the ratio stage
 . benchmarks/suite_env.sh
 
 for stage in $STAGES; do
@@ -43,10 +46,10 @@ for stage in $STAGES; do
       tail -n 12 "$OUT/decode.log"
       ;;
     ratio)
-      t=$(( $(left) - 10 ))
+      t=$(( $(left) - 10 )); t=$(( t < RATIO_TIME ? t : RATIO_TIME ))
       # shellcheck disable=SC2086
       timeout "$t" "$PYTHON" benchmarks/bench_ragged_paged_attention.py --ratio --ratio-deadline $((t - 45)) \
-          --arms "$RATIO_ARMS" --ratio-batches 4 16 1 --ratio-contexts $RATIO_CONTEXTS \
+          --arms "$RATIO_ARMS" --ratio-batches $RATIO_BATCHES --ratio-contexts $RATIO_CONTEXTS \
           --out "$OUT" --git-commit "$GIT_COMMIT" > "$OUT/kernel_ratio.log" 2>&1 || echo "kernel ratio cut short or failed"
       tail -n 40 "$OUT/kernel_ratio.log"
       ;;
