@@ -14,7 +14,8 @@
 #      move).
 #   2. benchmarks/run_default_pair_suite.sh stage sts on the exported folder: record full-block rounds
 #      on the validation split, fit STS, write sts.json into the folder.
-#   3. the folder is packed into $OUT/finetuned-drafter.tar.  Read the STS fit (ECE before / after)
+#   3. everything (logs, STS fit, the folder as drafter/) is packed into $OUT/finetune-head.tgz,
+#      also when a stage fails.  Read the STS fit (ECE before / after)
 #      first; held-out tau and ECE per workload: STAGES=tau DRAFTER=<folder> run_default_pair_suite.sh
 #      in the next command, then install the folder as dspark_jax/assets/default-dspark.
 #
@@ -25,15 +26,24 @@ OUT=${OUT:-runs/finetune-head-out}
 WORK=${WORK:-runs/finetune-head}
 START=${START:-dspark_jax/assets/default-dspark}
 mkdir -p "$OUT" "$WORK"
+rm -rf "$WORK/drafter"
+
+# The device tool returns at most 8 files from $OUT: one archive holds the logs, the STS fit and the
+# fine-tuned folder (the train stage's split tar parts duplicate that folder and are dropped).
+pack() {
+  rm -f "$OUT"/train/*.tar.part-*
+  rm -rf "$OUT/suite/sts-shards"
+  [ -d "$WORK/drafter" ] && cp -r "$WORK/drafter" "$OUT/drafter"
+  tar -C "$OUT" -czf /tmp/finetune-head.tgz . && find "$OUT" -mindepth 1 -delete && mv /tmp/finetune-head.tgz "$OUT/"
+}
+trap pack EXIT
 
 BUDGET=${TRAIN_BUDGET:-330} OUT="$OUT/train" RUN="$WORK/run" DATA="$WORK/data" DATA_TIME=${DATA_TIME:-80} \
   STAGES="data probe train export" EXPORT_FROM= \
   TRAIN_EXTRA="--init-from $START --trainable confidence --confidence-label greedy ${TRAIN_EXTRA:-}" \
   training/train_default_drafter.sh
 
-rm -rf "$WORK/drafter"
 cp -r "$WORK/run/default-drafter" "$WORK/drafter"
 PACK=0 BUDGET=${STS_BUDGET:-200} OUT="$OUT/suite" DRAFTER="$WORK/drafter" STAGES=sts \
   benchmarks/run_default_pair_suite.sh
-tar -C "$WORK" -cf "$OUT/finetuned-drafter.tar" drafter
 ls -l "$OUT"

@@ -171,8 +171,8 @@ def block_config(
     num_stages: int | None = None,
     max_block_m: int = 64,
     num_sms: int | None = None,
-    split_target_waves: float = 4.0,
-    min_split_tokens: int = 512,
+    split_target_waves: float = 2.0,
+    min_split_tokens: int = 256,
     max_splits: int = 32,
     addressing: str = "paged",
     prologue: str = "scalar",
@@ -199,16 +199,17 @@ def block_config(
 
     The KV range is split only when ``q blocks x Hkv`` programs are fewer than the SMs, and then
     into enough splits for ``split_target_waves`` programs per SM, each covering at least
-    ``min_split_tokens`` KV tokens (at least one tile).  The floor is counted in tokens, not tiles, so
-    that the small-batch verify's 64-token tiles split a context as decode's 128-token tiles do:
-    counted in tiles, q_len 8 at batch 4 and context 4k ran 16 splits of 256 tokens against
-    decode's 8 of 512 and cost 1.44x decode, 1.08x with the token floor; at batch 1 the same change
-    went from 1.32x to 1.61x (benchmarks/results/ragged_paged_attention_h200_defaults_{3034a99,
-    c408719}.md).  Both are 20-35 us latency-bound cells, where about one wave of programs looks
-    best; the split rule for them is not settled.
-    ``addressing``,
-    ``prologue`` and ``page_lookup`` (module constants above) are the knobs
-    benchmarks/bench_ragged_paged_attention.py --ratio compares.
+    ``min_split_tokens`` KV tokens (at least one tile).  The floor is counted in tokens, not tiles,
+    so the small-batch verify's 64-token tiles split a context as decode's 128-token tiles do.
+    Two waves and 256 tokens come from the split study of the latency-bound cells (batch 1 and 4,
+    context 512..4k; benchmarks/results/ragged_paged_attention_h200_ratio_splits_f209b9e.md): the
+    former rule (4 waves, 512 tokens) left batch 1 with 8 kv-head programs x <= 8 splits, and a
+    256-token floor cut q_len 8 at batch 1 / 4k from 38 to 31 us and decode from 25 to 22 us; at
+    batch 4 / 4k, though, 4 waves of 256-token splits (512 programs) cost 47 us against 37 us for
+    256 programs, and 2 waves keep that cell near 256 programs.  Splitting adds a combine kernel:
+    at batch 4 / 512 tokens two splits measured 19 us against 18 us for one (at batch 1, 16 us
+    against 23).  ``addressing``, ``prologue`` and ``page_lookup`` (module constants above) are
+    the knobs benchmarks/bench_ragged_paged_attention.py --ratio compares.
     """
     T, S, P = int(num_tokens), int(num_seqs_max), int(pages_per_seq)
     if addressing not in ADDRESSING:
