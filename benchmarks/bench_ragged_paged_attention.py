@@ -579,6 +579,21 @@ RATIO_ARMS = {
     "bn128_carry": (
         {}, {"page_lookup": "carry", "block_n": 128, "num_warps": 4, "num_stages": 3},
         "verify with 128-token KV tiles and carried page ids (w4/s3); decode defaults"),
+    # Resident programs: 128-token K/V tiles at 3 stages take ~192 KB of shared memory (one
+    # program per SM), 64-token tiles ~96 KB (two), so the split count that fills the GPU once
+    # depends on the tile.
+    "bn64_all": (
+        {"block_n": 64, "num_warps": 4, "num_stages": 3}, {},
+        "decode with 64-token KV tiles too (two programs per SM); verify defaults"),
+    "v_bn128": (
+        {}, {"page_lookup": "carry", "block_n": 128, "num_warps": 4, "num_stages": 3},
+        "verify with 128-token KV tiles and carried page ids under the default split rule"),
+    "tok128": (
+        {"min_split_tokens": 128}, {"min_split_tokens": 128},
+        "defaults, splits of >= 128 KV tokens"),
+    "dec_waves1": (
+        {"split_target_waves": 1.0}, {},
+        "decode splits for one wave (one resident 128-token-tile program per SM); verify defaults"),
     "combo": (
         {"addressing": "flat", "prologue": "vector", "page_lookup": "carry", "block_n": 64,
          "num_warps": 4, "num_stages": 3},

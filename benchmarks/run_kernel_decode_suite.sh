@@ -4,7 +4,8 @@
 #   benchmarks/run_kernel_decode_suite.sh
 #
 #   profile  per-kernel device times of the batch-1 decode step (benchmarks/profile_decode_step.py),
-#            once per attention backend (pallas, reference): slow kernels vs gaps between kernels
+#            once per attention backend in PROFILE_BACKENDS (pallas reference), with PROFILE_ARGS:
+#            slow kernels vs gaps between kernels
 #   decode   benchmarks/bench_decode.py at DECODE_BATCHES (chained and synced step times, HBM floor)
 #   ratio    verify / decode cost of the kernel's options (RATIO_ARMS) over RATIO_BATCHES x
 #            RATIO_CONTEXTS (benchmarks/bench_ragged_paged_attention.py --ratio), for at most
@@ -26,6 +27,8 @@ DECODE_BATCHES=${DECODE_BATCHES:-1 4 16}
 RATIO_ARMS=${RATIO_ARMS:-w4s3,flat_vec,carry_bn64,combo}
 RATIO_CONTEXTS=${RATIO_CONTEXTS:-8192 32768 2048 512 4096 16384}
 RATIO_BATCHES=${RATIO_BATCHES:-4 16 1}
+PROFILE_BACKENDS=${PROFILE_BACKENDS:-pallas reference}
+PROFILE_ARGS=${PROFILE_ARGS:-}  # e.g. --sequence 40 --norm-backend pallas
 RATIO_TIME=${RATIO_TIME:-600}  # at most this many seconds for the ratio stage
 . benchmarks/suite_env.sh
 
@@ -33,9 +36,10 @@ for stage in $STAGES; do
   echo "== $stage ($(left)s left)"
   case $stage in
     profile)
-      for backend in pallas reference; do
+      for backend in $PROFILE_BACKENDS; do
+        # shellcheck disable=SC2086
         timeout 120 "$PYTHON" benchmarks/profile_decode_step.py --batch-size 1 --attention-backend "$backend" \
-            --out-dir "$OUT" > "$OUT/profile_$backend.log" 2>&1 || echo "profile $backend failed"
+            $PROFILE_ARGS --out-dir "$OUT" > "$OUT/profile_$backend.log" 2>&1 || echo "profile $backend failed"
         tail -n 40 "$OUT/profile_$backend.log"
       done
       ;;
