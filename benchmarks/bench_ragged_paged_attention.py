@@ -613,10 +613,9 @@ def arm_config(arm, q_len, batch, ctx, page_size):
     """(BlockConfig, explicit kernel kwargs) of one arm for one uniform cell."""
     dec, ver, _ = RATIO_ARMS[arm]
     knobs = dict(dec if q_len == 1 else ver)
-    waves = knobs.pop("split_target_waves", 4.0)
     P = -(-ctx // page_size)
-    cfg = block_config(batch * q_len, batch, P, page_size, HQ, HKV, D, jnp.bfloat16,
-                       split_target_waves=waves, **knobs)
+    # knobs an arm leaves out take block_config's defaults (so "base" is the kernel's own rule)
+    cfg = block_config(batch * q_len, batch, P, page_size, HQ, HKV, D, jnp.bfloat16, **knobs)
     kw = {k: getattr(cfg, k) for k in _CFG_KNOBS}
     kw["num_splits"] = cfg.num_splits
     return cfg, kw

@@ -185,6 +185,32 @@ def test_kernel_leading_dims_mixed_weight_dtype_and_eps():
         np.testing.assert_allclose(_f32(normed), _f32(want_normed), atol=2e-2, rtol=2e-2)
 
 
+def test_kernel_stacked_weight_reads_the_layer_row():
+    """A [L, d] weight stack with a layer index (static or traced, L not a power of two) gives
+    exactly the result of the sliced [d] weight, in the kernel and in the reference."""
+    rng = np.random.default_rng(11)
+    for T, d, dtype in ((1, 256, jnp.bfloat16), (5, 64, jnp.float32), (3, 1024, jnp.bfloat16)):
+        x, r, _ = _inputs(rng, T, d, dtype)
+        stack = jnp.asarray(1.0 + 0.5 * rng.standard_normal((7, d)), dtype)
+        for layer in (0, 3, 6):
+            want = _reference(x, r, stack[layer], eps=EPS)
+            ref = fused_add_rms_norm_reference(x, r, stack, eps=EPS, layer=layer)
+            got = fused_add_rms_norm(x, r, stack, eps=EPS, layer=layer, interpret=True)
+            traced = jax.jit(lambda x, r, w, l: fused_add_rms_norm(x, r, w, eps=EPS, layer=l, interpret=True))(
+                x, r, stack, jnp.int32(layer))
+            for out in (ref, got, traced):
+                np.testing.assert_array_equal(_f32(out[1]), _f32(want[1]))
+                np.testing.assert_allclose(_f32(out[0]), _f32(want[0]), atol=2e-2, rtol=2e-2)
+            np.testing.assert_array_equal(_f32(got[0]), _f32(traced[0]))
+    x, r, w = _inputs(rng, 2, 64, jnp.float32)
+    with pytest.raises(ValueError):
+        fused_add_rms_norm(x, r, w, eps=EPS, layer=0, interpret=True)  # [d] weight with a layer
+    with pytest.raises(ValueError):
+        fused_add_rms_norm(x, r, jnp.stack([w, w]), eps=EPS, interpret=True)  # stack, no layer
+    with pytest.raises(ValueError):
+        fused_add_rms_norm_reference(x, r, w, eps=EPS, layer=1)
+
+
 # --------------------------------------------------------------------------- static checks
 
 
@@ -237,6 +263,12 @@ def test_triton_lowering():
         cfg = tile_config(T, d, block_rows=br)
         assert f"num_warps = {cfg.num_warps}" in text
         assert f"grid_x = {cfg.grid[0]}" in text
+    # a stack of 36 layer weights indexed by a traced layer (the unrolled / scanned model)
+    text = cuda_lowering_text(
+        lambda x, r, w, l: fused_add_rms_norm(x, r, w, eps=EPS, layer=l),
+        sd((1, 4096), jnp.bfloat16), sd((1, 4096), jnp.bfloat16), sd((36, 4096), jnp.bfloat16),
+        sd((), jnp.int32))
+    assert "triton" in text
 
 
 # --------------------------------------------------------------------------- op dispatch

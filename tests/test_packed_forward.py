@@ -101,14 +101,20 @@ def test_fused_norm_kernel_gives_the_reference_forward():
     logits, final hidden states and tapped layer outputs as the jnp path, and rejects bad names."""
     cfg = tiny_config(64, num_hidden_layers=3)  # hidden 64: a width the kernel takes
     model = Qwen3ForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(5))
+    # Norm weights differ per layer, so reading the wrong row of the [L, d] stack would show.
+    rng = np.random.default_rng(0)
+    for norm in (model.layers.input_layernorm, model.layers.post_attention_layernorm):
+        norm.weight.value = jnp.asarray(1 + 0.5 * rng.standard_normal(norm.weight.shape), jnp.float32)
     ids = np.arange(3, 12)
     fb = build_forward_batch([(ids, 0, [1, 2, 3])], page_size=PAGE, num_tokens=9, num_seqs=1, pages_per_seq=3,
                              logits_rows="all")
-    outs = {nb: model(allocate_kv_cache(cfg, 5, PAGE, jnp.float32), fb, tap_layers=(0, 2), norm_backend=nb)
-            for nb in ("reference", "pallas")}
-    for field in ("logits", "hidden", "taps"):
-        np.testing.assert_allclose(np.asarray(getattr(outs["pallas"], field)),
-                                   np.asarray(getattr(outs["reference"], field)), rtol=1e-5, atol=1e-5, err_msg=field)
+    want = model(allocate_kv_cache(cfg, 5, PAGE, jnp.float32), fb, tap_layers=(0, 2))
+    for scan in (True, False):  # the scanned layer index is traced, the unrolled one static
+        got = model(allocate_kv_cache(cfg, 5, PAGE, jnp.float32), fb, tap_layers=(0, 2), norm_backend="pallas",
+                    scan_layers=scan)
+        for field in ("logits", "hidden", "taps"):
+            np.testing.assert_allclose(np.asarray(getattr(got, field)), np.asarray(getattr(want, field)),
+                                       rtol=1e-5, atol=1e-5, err_msg=f"{field} scan={scan}")
     with pytest.raises(ValueError, match="norm_backend"):
         model(allocate_kv_cache(cfg, 5, PAGE, jnp.float32), fb, norm_backend="triton")
 

@@ -24,16 +24,25 @@ from dspark_jax.layers.attention import paged_attention
 from dspark_jax.layers.norm import RMSNorm, rms_norm
 from dspark_jax.layers.rotary import apply_rope, rope_cos_sin
 from pallas_kernels.fused_add_rms_norm import fused_add_rms_norm_op
+from pallas_kernels.fused_add_rms_norm import resolve_backend as resolve_norm_backend
 
 NORM_BACKENDS = ("reference", "pallas", "auto")
 
 
-def add_rms_norm(norm: RMSNorm, delta: jax.Array, x: jax.Array, backend: str) -> tuple[jax.Array, jax.Array]:
+def add_rms_norm(
+    norm: RMSNorm, delta: jax.Array, x: jax.Array, backend: str, stacked: tuple[jax.Array, jax.Array] | None = None
+) -> tuple[jax.Array, jax.Array]:
     """(norm(x + delta), x + delta): a residual add and the RMSNorm that reads it, as one op.
 
     "reference" is plain jnp (XLA compiles it: an add, a reduction and a multiply at decode
     sizes); "pallas" is the fused Triton kernel (pallas_kernels/fused_add_rms_norm), one launch
-    instead of three, for power-of-two widths (else the reference)."""
+    instead of three, for power-of-two widths (else the reference).  ``stacked`` = (the [L, d]
+    stack of this norm's weights over all layers, the layer index): the kernel then reads the
+    layer's row in place, where ``norm.weight`` (a layer slice) would be copied into a buffer of
+    its own before every call."""
+    if stacked is not None:
+        weight, layer = stacked
+        return fused_add_rms_norm_op(x, delta, weight, eps=norm.eps, layer=layer, backend=backend)
     return fused_add_rms_norm_op(x, delta, norm.weight[...], eps=norm.eps, backend=backend)
 
 
@@ -118,13 +127,18 @@ class Qwen3DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.mlp = Qwen3MLP(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, delta, cos, sin, cache, batch, layer, *, backend: str, norm_backend: str = "reference"):
+    def __call__(
+        self, x, delta, cos, sin, cache, batch, layer, *, backend: str, norm_backend: str = "reference", norm_stacks=None
+    ):
         """x: the residual stream before the previous layer's MLP output ``delta`` is added (zeros
         for the first layer).  Returns (x, this layer's MLP output, cache): each residual add is
-        done by the norm that reads it (``add_rms_norm``), so it can be one fused kernel."""
-        h, x = add_rms_norm(self.input_layernorm, delta, x, norm_backend)
+        done by the norm that reads it (``add_rms_norm``), so it can be one fused kernel.
+        norm_stacks: None, or the [L, d] weight stacks of (input_layernorm, post_attention_layernorm)
+        over all layers, for the fused kernel to index with ``layer``."""
+        stacks = (None, None) if norm_stacks is None else [(w, layer) for w in norm_stacks]
+        h, x = add_rms_norm(self.input_layernorm, delta, x, norm_backend, stacks[0])
         attn, cache = self.self_attn(h, cos, sin, cache, batch, layer, backend=backend)
-        h, x = add_rms_norm(self.post_attention_layernorm, attn, x, norm_backend)
+        h, x = add_rms_norm(self.post_attention_layernorm, attn, x, norm_backend, stacks[1])
         return x, self.mlp(h), cache
 
     def dense(self, x, cos, sin, mask):
@@ -206,12 +220,16 @@ class Qwen3ForCausalLM(nnx.Module):
                 taps = taps.at[i].set(x)
 
         layer_def, layer_state = nnx.split(self.layers)
+        norm_stacks = None
+        if resolve_norm_backend(norm_backend, cfg.hidden_size) == "pallas":
+            norm_stacks = (self.layers.input_layernorm.weight[...], self.layers.post_attention_layernorm.weight[...])
 
         def body(carry, xs):
             h, delta, kc, vc, taps = carry
             state, layer = xs
             h, delta, cache_l = nnx.merge(layer_def, state)(h, delta, cos, sin, KVCache(kc, vc), batch, layer,
-                                                            backend=backend, norm_backend=norm_backend)
+                                                            backend=backend, norm_backend=norm_backend,
+                                                            norm_stacks=norm_stacks)
             if len(tap_layers):
                 slot = tap_slot[layer]
                 s = jnp.maximum(slot, 0)

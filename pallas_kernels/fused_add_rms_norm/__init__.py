@@ -48,6 +48,7 @@ def fused_add_rms_norm_op(
     weight,
     *,
     eps: float,
+    layer=None,
     backend: str = "pallas",
     interpret: bool | None = None,
     **kernel_kwargs,
@@ -57,15 +58,16 @@ def fused_add_rms_norm_op(
     Returns ``(normed, new_residual)``.  ``backend``: "pallas" (Triton backend; off the GPU it
     runs in interpret mode unless ``interpret`` says otherwise; falls back to the reference when
     ``d`` is not a power of two), "reference", or "auto" (pallas on GPU, else reference).
-    ``kernel_kwargs`` (block_rows, num_warps, num_stages) go to the kernel.
+    ``weight`` is ``[d]``, or a stack ``[L, d]`` with ``layer`` naming the row (read in place
+    by the kernel).  ``kernel_kwargs`` (block_rows, num_warps, num_stages) go to the kernel.
     """
     impl = resolve_backend(backend, x.shape[-1])
     if impl == "reference":
-        return fused_add_rms_norm_reference(x, residual, weight, eps=eps)
+        return fused_add_rms_norm_reference(x, residual, weight, eps=eps, layer=layer)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     return fused_add_rms_norm(
-        x, residual, weight, eps=eps, interpret=interpret, **kernel_kwargs
+        x, residual, weight, eps=eps, layer=layer, interpret=interpret, **kernel_kwargs
     )
 
 

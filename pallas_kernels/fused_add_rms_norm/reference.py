@@ -19,7 +19,8 @@ definition is repeated here so that ``pallas_kernels`` does not import ``dspark_
   norm weights share the activation dtype, so in practice it is the input dtype).
 
 Shapes: ``x`` and ``residual`` are ``[..., d]`` (the kernel's callers pass ``[T, d]``),
-``weight`` is ``[d]``.
+``weight`` is ``[d]``, or a stack ``[L, d]`` of per-layer weights when ``layer`` (an int32
+scalar in ``[0, L)``, may be traced) says which row applies.
 """
 
 from __future__ import annotations
@@ -34,12 +35,17 @@ def fused_add_rms_norm_reference(
     weight: jax.Array,
     *,
     eps: float,
+    layer: jax.Array | int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Returns ``(normed, new_residual)`` with ``new_residual = x + residual``."""
     if x.shape != residual.shape:
         raise ValueError(f"x {x.shape} and residual {residual.shape} must have the same shape")
     if x.dtype != residual.dtype:
         raise ValueError(f"x {x.dtype} and residual {residual.dtype} must have the same dtype")
+    if layer is not None:
+        if weight.ndim != 2 or jnp.ndim(layer) != 0:
+            raise ValueError(f"with layer, weight {weight.shape} must be a stack [L, d] and layer a scalar")
+        weight = weight[layer]
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"weight {weight.shape} must be [{x.shape[-1]}]")
     h = x + residual

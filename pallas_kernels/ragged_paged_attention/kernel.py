@@ -201,12 +201,15 @@ def block_config(
     into enough splits for ``split_target_waves`` programs per SM, each covering at least
     ``min_split_tokens`` KV tokens (at least one tile).  The floor is counted in tokens, not tiles,
     so the small-batch verify's 64-token tiles split a context as decode's 128-token tiles do.
-    Two waves and 256 tokens come from the split study of the latency-bound cells (batch 1 and 4,
-    context 512..4k; benchmarks/results/ragged_paged_attention_h200_ratio_splits_f209b9e.md): the
-    former rule (4 waves, 512 tokens) left batch 1 with 8 kv-head programs x <= 8 splits, and a
-    256-token floor cut q_len 8 at batch 1 / 4k from 38 to 31 us and decode from 25 to 22 us; at
-    batch 4 / 4k, though, 4 waves of 256-token splits (512 programs) cost 47 us against 37 us for
-    256 programs, and 2 waves keep that cell near 256 programs.  Splitting adds a combine kernel:
+    Two waves, 256 tokens and a power-of-two split count come from the split studies of the
+    latency-bound cells (batch 1-16, context 512..16k; benchmarks/results/
+    ragged_paged_attention_h200_ratio_splits_{f209b9e,84104df}.md; single runs of 15-50 us cells
+    differ by up to 30%, so only repeated tendencies count): where the token floor binds (batch
+    1) 256-token splits beat 512-token ones in 11 of 12 decode / q_len 8 comparisons (batch 1 /
+    4k q_len 8: 38 -> 31 us); with more programs fewer splits won -- batch 4 / 4k: 8 splits (256
+    programs) 37-39 us, 16 splits 42-47, 4 splits 45; batch 16 / 1k-16k: 2 splits (256 programs)
+    beat 4-5 splits by 5-25%.  Four waves of 512-token splits (the former rule) gave 5 and 17
+    splits in some of those cells.  Splitting adds a combine kernel:
     at batch 4 / 512 tokens two splits measured 19 us against 18 us for one (at batch 1, 16 us
     against 23).  ``addressing``, ``prologue`` and ``page_lookup`` (module constants above) are
     the knobs benchmarks/bench_ragged_paged_attention.py --ratio compares.
@@ -263,6 +266,10 @@ def block_config(
             num_splits = max(
                 1, min(-(-target // programs), max_tiles // tiles_per_split, max_splits)
             )
+            # A power of two: splits then cover equal whole numbers of tiles of a power-of-two
+            # context (9 splits of a 32-tile context leave 3-4 tiles per program, and the
+            # programs with 4 set the time).
+            num_splits = 1 << (num_splits.bit_length() - 1)
     return BlockConfig(
         block_q=int(block_q),
         heads_pad=gp,
