@@ -560,13 +560,9 @@ RATIO_ARMS = {
     "waves2": (
         {}, {"split_target_waves": 2.0, "num_warps": 8, "num_stages": 2, "page_lookup": "inline", "block_n": 128},
         "verify splits the KV range for 2 waves of programs instead of 4 (longer programs)"),
-    # The flash-decoding split rule in latency-bound cells (batch <= 4, context <= 4k): the
-    # defaults split both phases for 2 waves of programs, each split >= 256 KV tokens
+    # The flash-decoding split rule in latency-bound cells (batch <= 16, context <= 8k): the
+    # defaults split both phases for 4 waves of programs, each split >= 512 KV tokens
     # (kernel.block_config); the arms below move one knob.
-    "split_prev": (
-        {"min_split_tokens": 512, "split_target_waves": 4.0},
-        {"min_split_tokens": 512, "split_target_waves": 4.0},
-        "the split rule before 2026-12-01: 4 waves of programs, splits of >= 512 KV tokens"),
     "tok256": (
         {"min_split_tokens": 256}, {"min_split_tokens": 256},
         "defaults, splits of >= 256 KV tokens (twice as many splits where the floor binds)"),

@@ -321,30 +321,30 @@ def _pow2(x):
 
 
 def test_split_rule_hand_cases():
-    """The flash-decoding split count: hand-computed cases of block_config's rule (2 waves of
-    programs on 132 SMs, splits of >= 256 KV tokens, rounded down to a power of two)."""
+    """The flash-decoding split count: hand-computed cases of block_config's rule (4 waves of
+    programs on 132 SMs, splits of >= 512 KV tokens, at most 32)."""
     def splits(batch, q_len, ctx, **kw):
         return block_config(batch * q_len, batch, ctx // 16, 16, 32, 8, 128, jnp.bfloat16,
                             num_sms=132, **kw).num_splits
 
-    # decode, 8 kv heads: programs = 8 * batch; target = 264 programs
-    assert splits(1, 1, 4096) == 16      # ceil(264 / 8) = 33, capped at 4096 / 256 = 16
-    assert splits(1, 1, 1024) == 4       # capped at 1024 / 256
-    assert splits(1, 1, 32768) == 32     # capped at max_splits
-    assert splits(4, 1, 4096) == 8       # ceil(264 / 32) = 9 -> 8
-    assert splits(16, 1, 4096) == 2      # ceil(264 / 128) = 3 -> 2
+    # decode, 8 kv heads: programs = 8 * batch; target = 528 programs
+    assert splits(1, 1, 4096) == 8       # ceil(528 / 8) = 66, capped at 4096 / 512
+    assert splits(1, 1, 1024) == 2       # capped at 1024 / 512
+    assert splits(1, 1, 65536) == 32     # capped at max_splits
+    assert splits(4, 1, 4096) == 8       # ceil(528 / 32) = 17, capped at 8
+    assert splits(16, 1, 4096) == 5      # ceil(528 / 128) = 5
     assert splits(32, 1, 4096) == 1      # 256 programs fill the GPU: no split
-    assert splits(1, 1, 256) == 1        # one 256-token split
-    # verify at q_len 8 with 64-token tiles splits the context as decode does
+    assert splits(1, 1, 256) == 1        # shorter than one split
+    # verify at q_len 8 (64-token tiles) splits the context as decode (128-token tiles) does
     assert splits(1, 8, 4096) == splits(1, 1, 4096)
     assert splits(4, 8, 4096) == splits(4, 1, 4096)
-    # the knobs still work
-    assert splits(1, 1, 4096, min_split_tokens=512) == 8
-    assert splits(4, 1, 4096, split_target_waves=4.0) == 16
+    # the knobs
+    assert splits(1, 1, 4096, min_split_tokens=256) == 16
+    assert splits(16, 1, 4096, split_target_waves=2.0) == 3
     for b in (1, 2, 3, 4, 5, 8, 12, 16):
         for ctx in (512, 1024, 3072, 4096, 16384):
             n = splits(b, 1, ctx)
-            assert _pow2(n) and (n == 1 or n * 256 <= ctx), (b, ctx, n)
+            assert 1 <= n <= 32 and (n == 1 or n * 512 <= ctx), (b, ctx, n)
 
 
 def test_block_shapes_static():

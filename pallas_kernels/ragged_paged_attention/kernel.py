@@ -171,8 +171,8 @@ def block_config(
     num_stages: int | None = None,
     max_block_m: int = 64,
     num_sms: int | None = None,
-    split_target_waves: float = 2.0,
-    min_split_tokens: int = 256,
+    split_target_waves: float = 4.0,
+    min_split_tokens: int = 512,
     max_splits: int = 32,
     addressing: str = "paged",
     prologue: str = "scalar",
@@ -199,20 +199,18 @@ def block_config(
 
     The KV range is split only when ``q blocks x Hkv`` programs are fewer than the SMs, and then
     into enough splits for ``split_target_waves`` programs per SM, each covering at least
-    ``min_split_tokens`` KV tokens (at least one tile).  The floor is counted in tokens, not tiles,
-    so the small-batch verify's 64-token tiles split a context as decode's 128-token tiles do.
-    Two waves, 256 tokens and a power-of-two split count come from the split studies of the
-    latency-bound cells (batch 1-16, context 512..16k; benchmarks/results/
-    ragged_paged_attention_h200_ratio_splits_{f209b9e,84104df}.md; single runs of 15-50 us cells
-    differ by up to 30%, so only repeated tendencies count): where the token floor binds (batch
-    1) 256-token splits beat 512-token ones in 11 of 12 decode / q_len 8 comparisons (batch 1 /
-    4k q_len 8: 38 -> 31 us); with more programs fewer splits won -- batch 4 / 4k: 8 splits (256
-    programs) 37-39 us, 16 splits 42-47, 4 splits 45; batch 16 / 1k-16k: 2 splits (256 programs)
-    beat 4-5 splits by 5-25%.  Four waves of 512-token splits (the former rule) gave 5 and 17
-    splits in some of those cells.  Splitting adds a combine kernel:
-    at batch 4 / 512 tokens two splits measured 19 us against 18 us for one (at batch 1, 16 us
-    against 23).  ``addressing``, ``prologue`` and ``page_lookup`` (module constants above) are
-    the knobs benchmarks/bench_ragged_paged_attention.py --ratio compares.
+    ``min_split_tokens`` KV tokens (at least one tile).  The floor is counted in tokens, not tiles, so
+    that the small-batch verify's 64-token tiles split a context as decode's 128-token tiles do:
+    counted in tiles, q_len 8 at batch 4 and context 4k ran 16 splits of 256 tokens against
+    decode's 8 of 512 and cost 1.44x decode, 1.08x with the token floor; at batch 1 the same change
+    went from 1.32x to 1.61x (benchmarks/results/ragged_paged_attention_h200_defaults_{3034a99,
+    c408719}.md).  Three split studies of batch 1-16 x context 512..32k found no better rule
+    (benchmarks/results/ragged_paged_attention_h200_ratio_splits_{f209b9e,84104df,194fac9}.md):
+    single runs of these 15-60 us cells differ by up to 30%, and 256-token splits for 2 waves
+    with a power-of-two count, the best-looking candidate after the first two, came out 5%
+    slower for decode and 1-2% slower at q_len 4 / 8 (geomean) against this rule in a paired
+    run over 16 cells.  ``addressing``, ``prologue`` and ``page_lookup`` (module constants
+    above) are the knobs benchmarks/bench_ragged_paged_attention.py --ratio compares.
     """
     T, S, P = int(num_tokens), int(num_seqs_max), int(pages_per_seq)
     if addressing not in ADDRESSING:
@@ -266,10 +264,6 @@ def block_config(
             num_splits = max(
                 1, min(-(-target // programs), max_tiles // tiles_per_split, max_splits)
             )
-            # A power of two: splits then cover equal whole numbers of tiles of a power-of-two
-            # context (9 splits of a 32-tile context leave 3-4 tiles per program, and the
-            # programs with 4 set the time).
-            num_splits = 1 << (num_splits.bit_length() - 1)
     return BlockConfig(
         block_q=int(block_q),
         heads_pad=gp,
