@@ -45,7 +45,6 @@ CPU smoke test of this script (interpret mode, tiny sizes; do not write into ben
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from pathlib import Path
@@ -57,7 +56,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import benchmarks.common as common  # noqa: E402
-from benchmarks.common import copy_bandwidth, environment, time_chain  # noqa: E402
+from benchmarks.common import copy_bandwidth, count_kernels, environment, time_chain  # noqa: E402
 from pallas_kernels.fused_add_rms_norm import (  # noqa: E402
     fused_add_rms_norm,
     fused_add_rms_norm_reference,
@@ -194,29 +193,6 @@ def time_per_call(fn, inputs, n, execs, reps) -> float:
     chain = build_chain(fn, n)
     jax.block_until_ready(chain(*inputs))  # compile + first run
     return time_chain(lambda: chain(*inputs), execs, warmup=2, reps=reps) / n
-
-
-def count_kernels(hlo_text: str) -> int:
-    """Fusion and custom-call instructions outside fused computations of an optimised HLO module
-    (each is one kernel launch on the GPU; instructions nested inside a fusion are not)."""
-    comps, cur = {}, None
-    for line in hlo_text.splitlines():
-        m = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
-        if m and not line.startswith(" "):
-            cur = m.group(1)
-            comps[cur] = []
-        elif line.startswith("}"):
-            cur = None
-        elif cur is not None:
-            comps[cur].append(line)
-    inst = re.compile(r"=.*?\s(fusion|custom-call)\(")
-    fused = set()
-    for body in comps.values():
-        for line in body:
-            if re.search(r"\sfusion\(", line):
-                fused.update(re.findall(r"calls=%?([\w.\-]+)", line))
-    return sum(1 for name, body in comps.items() if name not in fused
-               for line in body if inst.search(line))
 
 
 def xla_kernels_per_call(x, r, w) -> int | None:

@@ -12,8 +12,10 @@
 #            RATIO_TIME seconds or until the budget runs out
 #   bench    the full kernel benchmark (bench_ragged_paged_attention.py --bench --defaults)
 #   norm     the fused residual-add + RMSNorm kernel against XLA (benchmarks/bench_fused_add_rms_norm.py)
-#   decode_fused  the decode benchmark at DECODE_BATCHES with --norm-backend pallas (the fused kernel in
-#            the model), beside the decode stage's XLA norms
+#   kvwrite  the K/V write from the qkv projection against XLA, GPU check first (benchmarks/bench_kv_write.py)
+#   decode_fused  the decode benchmark at DECODE_BATCHES with FUSED_ARGS (default --norm-backend pallas
+#            --kv-write-backend pallas: the fused Pallas kernels in the model), beside the decode
+#            stage's XLA paths
 #
 # Results land in $OUT (default runs/kernel-decode-suite), packed into kernel-decode-suite.tgz (the
 # device tool returns only a few files).
@@ -28,6 +30,7 @@ RATIO_ARMS=${RATIO_ARMS:-w4s3,flat_vec,carry_bn64,combo}
 RATIO_CONTEXTS=${RATIO_CONTEXTS:-8192 32768 2048 512 4096 16384}
 RATIO_BATCHES=${RATIO_BATCHES:-4 16 1}
 PROFILE_BACKENDS=${PROFILE_BACKENDS:-pallas reference}
+FUSED_ARGS=${FUSED_ARGS:---norm-backend pallas --kv-write-backend pallas}
 PROFILE_ARGS=${PROFILE_ARGS:-}  # e.g. --sequence 40 --norm-backend pallas
 RATIO_TIME=${RATIO_TIME:-600}  # at most this many seconds for the ratio stage
 . benchmarks/suite_env.sh
@@ -67,7 +70,7 @@ for stage in $STAGES; do
     decode_fused)
       # shellcheck disable=SC2086
       timeout 200 "$PYTHON" benchmarks/bench_decode.py --batch-sizes $DECODE_BATCHES --new-tokens 32 \
-          --norm-backend pallas --tag _fusednorm --out-dir "$OUT" > "$OUT/decode_fused.log" 2>&1 \
+          $FUSED_ARGS --tag _fused --out-dir "$OUT" > "$OUT/decode_fused.log" 2>&1 \
           || echo "decode (fused norm) cut short or failed"
       tail -n 12 "$OUT/decode_fused.log"
       ;;
@@ -75,6 +78,11 @@ for stage in $STAGES; do
       timeout 150 "$PYTHON" benchmarks/bench_fused_add_rms_norm.py --tune --out-dir "$OUT" > "$OUT/norm.log" 2>&1 \
           || echo "fused norm bench failed"
       tail -n 20 "$OUT/norm.log"
+      ;;
+    kvwrite)
+      timeout 150 "$PYTHON" benchmarks/bench_kv_write.py --out-dir "$OUT" > "$OUT/kv_write.log" 2>&1 \
+          || echo "kv write bench failed (a check failure exits 2)"
+      tail -n 16 "$OUT/kv_write.log"
       ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac

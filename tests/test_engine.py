@@ -138,10 +138,12 @@ def test_unrolled_decode_and_lazy_compile_give_identical_tokens(hf_model_dir, ti
     assert eng.runner.compiled_buckets  # compiled on first use
 
 
-def test_fused_norm_backend_gives_identical_tokens(hf_model_dir, tiny_engine):
+def test_fused_norm_and_kv_write_backends_give_identical_tokens(hf_model_dir, tiny_engine):
     eng = Engine.from_pretrained(hf_model_dir, EngineConfig(max_running_requests=4, max_prefill_tokens=64,
-                                                            max_model_len=256, precompile=False, norm_backend="pallas"))
+                                                            max_model_len=256, precompile=False, norm_backend="pallas",
+                                                            kv_write_backend="pallas"))
     assert eng.config.hidden_size & (eng.config.hidden_size - 1) == 0  # a width the fused kernel takes
+    assert eng.config.head_dim & (eng.config.head_dim - 1) == 0  # and the kv write kernel
     prompts = _prompts(tiny_engine, 3, seed=32)
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     assert [r.token_ids for r in eng.generate(prompts, params)] == [r.token_ids for r in tiny_engine.generate(prompts, params)]

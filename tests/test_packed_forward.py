@@ -104,7 +104,7 @@ def test_fused_norm_kernel_gives_the_reference_forward():
     # Norm weights differ per layer, so reading the wrong row of the [L, d] stack would show.
     rng = np.random.default_rng(0)
     for norm in (model.layers.input_layernorm, model.layers.post_attention_layernorm):
-        norm.weight.value = jnp.asarray(1 + 0.5 * rng.standard_normal(norm.weight.shape), jnp.float32)
+        norm.weight[...] = jnp.asarray(1 + 0.5 * rng.standard_normal(norm.weight.shape), jnp.float32)
     ids = np.arange(3, 12)
     fb = build_forward_batch([(ids, 0, [1, 2, 3])], page_size=PAGE, num_tokens=9, num_seqs=1, pages_per_seq=3,
                              logits_rows="all")
@@ -117,6 +117,40 @@ def test_fused_norm_kernel_gives_the_reference_forward():
                                        rtol=1e-5, atol=1e-5, err_msg=f"{field} scan={scan}")
     with pytest.raises(ValueError, match="norm_backend"):
         model(allocate_kv_cache(cfg, 5, PAGE, jnp.float32), fb, norm_backend="triton")
+
+
+def test_kv_write_kernel_gives_the_reference_forward_and_cache():
+    """kv_write_backend="pallas" (k norm + rope + the K/V scatter in one kernel, interpreted on
+    CPU, k-norm weights read from the [L, D] stack) gives the jnp path's logits, hidden states,
+    taps and cache over a ragged prefill and a following decode + verify step, scanned or
+    unrolled; bad names are rejected."""
+    cfg = tiny_config(64, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3, head_dim=16)
+    model = Qwen3ForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(7))
+    rng = np.random.default_rng(1)
+    for norm in (model.layers.self_attn.k_norm, model.layers.self_attn.q_norm):  # differ per layer
+        norm.weight[...] = jnp.asarray(1 + 0.5 * rng.standard_normal(norm.weight.shape), jnp.float32)
+    a, b = rng.integers(3, 64, 7), rng.integers(3, 64, 5)
+    prefill = build_forward_batch([(a, 0, [1, 2]), (b, 0, [3, 4])], page_size=PAGE, num_tokens=16, num_seqs=3,
+                                  pages_per_seq=3, logits_rows="all")
+    step = build_forward_batch([(rng.integers(3, 64, 1), 7, [1, 2]), (rng.integers(3, 64, 3), 5, [3, 4])],
+                               page_size=PAGE, num_tokens=8, num_seqs=3, pages_per_seq=3, logits_rows="all")
+
+    def two_steps(**kw):
+        out1 = model(allocate_kv_cache(cfg, 6, PAGE, jnp.float32), prefill, tap_layers=(0, 2), **kw)
+        return out1, model(out1.cache, step, tap_layers=(0, 2), **kw)
+
+    want = two_steps()
+    for scan in (True, False):
+        got = two_steps(kv_write_backend="pallas", scan_layers=scan)
+        for i in range(2):
+            for field in ("logits", "hidden", "taps"):
+                np.testing.assert_allclose(np.asarray(getattr(got[i], field)), np.asarray(getattr(want[i], field)),
+                                           rtol=1e-5, atol=1e-5, err_msg=f"{field} step {i} scan={scan}")
+            for name in ("k", "v"):  # pages 1-4 hold the sequences; page 0 is the padding sentinel
+                np.testing.assert_allclose(np.asarray(getattr(got[i].cache, name))[:, 1:5],
+                                           np.asarray(getattr(want[i].cache, name))[:, 1:5], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="kv_write_backend"):
+        model(allocate_kv_cache(cfg, 6, PAGE, jnp.float32), prefill, kv_write_backend="triton")
 
 
 def test_dense_forward_and_unrolled_layers_match_paged_forward():

@@ -46,10 +46,13 @@ class EngineConfig:
     max_prefill_tokens: int = 512
     max_prefill_seqs: int = 8
     attention_backend: str = "auto"  # auto | pallas | reference
-    # residual add + RMSNorm in the plain engine's steps: reference (plain jnp, left to XLA: three
-    # small kernels per norm at decode sizes) | pallas (the fused kernel; not yet measured to beat
-    # XLA, so not the default) | auto (pallas on GPU)
+    # residual add + RMSNorm in the plain engine's steps: reference (plain jnp, left to XLA) |
+    # pallas (the fused kernel, reading each layer's weight in place: 4.61 against 4.65 ms per
+    # batch-1 8B decode step on the H200, equal at batch 16 / 64, so not the default) | auto
     norm_backend: str = "reference"
+    # k norm + rope + K/V cache write: reference (XLA) | pallas (one kernel from the qkv projection,
+    # pallas_kernels/kv_write; not yet measured on the GPU) | auto (pallas on GPU)
+    kv_write_backend: str = "reference"
     unroll_decode: bool | None = None  # unroll the layer loop in decode steps; default: on GPU only
     dtype: str | None = None  # default: float32 on CPU (bf16 math is slow there), else the checkpoint's
     compile_cache_dir: str | None = None
@@ -76,6 +79,7 @@ class Engine:
         self.runner = ModelRunner(
             model, cache, pages_per_seq=self.pages_per_seq, backend=self.backend,
             unroll_decode=unroll, lazy=not ec.precompile, norm_backend=ec.norm_backend,
+            kv_write_backend=ec.kv_write_backend,
         )
         self.prefill_seqs = min(ec.max_prefill_seqs, ec.max_running_requests)
         self.decode_buckets = batch_ladder(ec.max_running_requests)

@@ -42,7 +42,23 @@ def paged_attention(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [T,Hq,D], k/v [T,Hkv,D] -> (out [T,Hq,D], k_cache, v_cache)."""
     k_cache, v_cache = write_kv_pages(k_cache, v_cache, k, v, batch.slot_mapping, layer=layer)
-    out = ragged_paged_attention_op(
+    out = attend_paged(q, k_cache, v_cache, batch, layer, sm_scale=sm_scale, backend=backend, causal=causal)
+    return out, k_cache, v_cache
+
+
+def attend_paged(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    batch: ForwardBatch,
+    layer: jax.Array,
+    *,
+    sm_scale: float,
+    backend: str,
+    causal: bool = True,
+) -> jax.Array:
+    """q [T,Hq,D] over caches that already hold this step's K/V -> out [T,Hq,D]."""
+    return ragged_paged_attention_op(
         q,
         k_cache,
         v_cache,
@@ -55,4 +71,3 @@ def paged_attention(
         causal=causal,
         backend=backend,
     )
-    return out, k_cache, v_cache

@@ -20,11 +20,14 @@ from flax import nnx
 from dspark_jax.config import Qwen3Config
 from dspark_jax.forward_batch import ForwardBatch
 from dspark_jax.kv_cache import KVCache
-from dspark_jax.layers.attention import paged_attention
+from dspark_jax.layers.attention import attend_paged, paged_attention
 from dspark_jax.layers.norm import RMSNorm, rms_norm
 from dspark_jax.layers.rotary import apply_rope, rope_cos_sin
 from pallas_kernels.fused_add_rms_norm import fused_add_rms_norm_op
 from pallas_kernels.fused_add_rms_norm import resolve_backend as resolve_norm_backend
+from pallas_kernels.kv_write import BACKENDS as KV_WRITE_BACKENDS
+from pallas_kernels.kv_write import resolve_backend as resolve_kv_write_backend
+from pallas_kernels.kv_write import write_kv_from_qkv_op
 
 NORM_BACKENDS = ("reference", "pallas", "auto")
 
@@ -92,12 +95,23 @@ class Qwen3Attention(nnx.Module):
         qk = apply_rope(qk.reshape(-1, H + Hk, D), cos, sin).reshape(qk.shape)
         return qk[..., :H, :], qk[..., H:, :], qkv[..., (H + Hk) * D :].reshape(*lead, Hk, D)
 
-    def __call__(self, x, cos, sin, cache: KVCache, batch: ForwardBatch, layer, *, backend: str):
+    def __call__(self, x, cos, sin, cache: KVCache, batch: ForwardBatch, layer, *, backend: str,
+                 kv_write_backend: str = "reference", k_norm_stack: jax.Array | None = None):
+        """kv_write_backend "pallas": one kernel norms and rotates k and writes k and v into the
+        cache straight from the qkv projection (pallas_kernels/kv_write), reading this layer's
+        k-norm weight from ``k_norm_stack`` ([L, D], all layers) when given; "reference": XLA."""
         T = x.shape[0]
-        q, k, v = self._qkv(x, cos, sin)
-        out, kc, vc = paged_attention(
-            q, k, v, cache.k, cache.v, batch, layer, sm_scale=self.head_dim**-0.5, backend=backend
-        )
+        H, D = self.num_heads, self.head_dim
+        if resolve_kv_write_backend(kv_write_backend, D) == "reference":
+            q, k, v = self._qkv(x, cos, sin)
+            out, kc, vc = paged_attention(q, k, v, cache.k, cache.v, batch, layer, sm_scale=D**-0.5, backend=backend)
+            return self.o_proj(out.reshape(T, -1)), KVCache(kc, vc)
+        qkv = self.qkv_proj(x)
+        q = apply_rope(rms_norm(qkv[:, : H * D].reshape(T, H, D), self.q_norm.weight[...], self.q_norm.eps), cos, sin)
+        weight = self.k_norm.weight[...] if k_norm_stack is None else k_norm_stack
+        kc, vc = write_kv_from_qkv_op(cache.k, cache.v, qkv, weight, cos, sin, batch.slot_mapping, num_q_heads=H,
+                                      eps=self.k_norm.eps, layer=layer, backend="pallas")
+        out = attend_paged(q, kc, vc, batch, layer, sm_scale=D**-0.5, backend=backend)
         return self.o_proj(out.reshape(T, -1)), KVCache(kc, vc)
 
     def dense(self, x, cos, sin, mask):
@@ -128,16 +142,19 @@ class Qwen3DecoderLayer(nnx.Module):
         self.mlp = Qwen3MLP(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(
-        self, x, delta, cos, sin, cache, batch, layer, *, backend: str, norm_backend: str = "reference", norm_stacks=None
+        self, x, delta, cos, sin, cache, batch, layer, *, backend: str, norm_backend: str = "reference",
+        norm_stacks=None, kv_write_backend: str = "reference", k_norm_stack=None,
     ):
         """x: the residual stream before the previous layer's MLP output ``delta`` is added (zeros
         for the first layer).  Returns (x, this layer's MLP output, cache): each residual add is
         done by the norm that reads it (``add_rms_norm``), so it can be one fused kernel.
-        norm_stacks: None, or the [L, d] weight stacks of (input_layernorm, post_attention_layernorm)
-        over all layers, for the fused kernel to index with ``layer``."""
+        norm_stacks / k_norm_stack: None, or the [L, d] weight stacks of (input_layernorm,
+        post_attention_layernorm) / the [L, D] stack of k_norm over all layers, for the Pallas
+        kernels to index with ``layer``."""
         stacks = (None, None) if norm_stacks is None else [(w, layer) for w in norm_stacks]
         h, x = add_rms_norm(self.input_layernorm, delta, x, norm_backend, stacks[0])
-        attn, cache = self.self_attn(h, cos, sin, cache, batch, layer, backend=backend)
+        attn, cache = self.self_attn(h, cos, sin, cache, batch, layer, backend=backend,
+                                     kv_write_backend=kv_write_backend, k_norm_stack=k_norm_stack)
         h, x = add_rms_norm(self.post_attention_layernorm, attn, x, norm_backend, stacks[1])
         return x, self.mlp(h), cache
 
@@ -195,12 +212,16 @@ class Qwen3ForCausalLM(nnx.Module):
         backend: str = "reference",
         scan_layers: bool = True,
         norm_backend: str = "reference",
+        kv_write_backend: str = "reference",
     ) -> ForwardOutput:
         """scan_layers=False unrolls the layer loop (static weight slices): a larger program that
         XLA may schedule better for latency-bound decode; the result is identical.
-        norm_backend: how each residual add + RMSNorm runs (``add_rms_norm``)."""
+        norm_backend: how each residual add + RMSNorm runs (``add_rms_norm``); kv_write_backend:
+        how k is normed and rotated and k / v written into the cache (``Qwen3Attention``)."""
         if norm_backend not in NORM_BACKENDS:
             raise ValueError(f"norm_backend must be one of {NORM_BACKENDS}, got {norm_backend!r}")
+        if kv_write_backend not in KV_WRITE_BACKENDS:
+            raise ValueError(f"kv_write_backend must be one of {KV_WRITE_BACKENDS}, got {kv_write_backend!r}")
         cfg = self.config
         batch = ForwardBatch(*(jnp.asarray(a) for a in batch))
         x = self.embed_tokens(batch.input_ids)
@@ -223,13 +244,17 @@ class Qwen3ForCausalLM(nnx.Module):
         norm_stacks = None
         if resolve_norm_backend(norm_backend, cfg.hidden_size) == "pallas":
             norm_stacks = (self.layers.input_layernorm.weight[...], self.layers.post_attention_layernorm.weight[...])
+        k_norm_stack = None
+        if resolve_kv_write_backend(kv_write_backend, cfg.head_dim) == "pallas":
+            k_norm_stack = self.layers.self_attn.k_norm.weight[...]
 
         def body(carry, xs):
             h, delta, kc, vc, taps = carry
             state, layer = xs
             h, delta, cache_l = nnx.merge(layer_def, state)(h, delta, cos, sin, KVCache(kc, vc), batch, layer,
                                                             backend=backend, norm_backend=norm_backend,
-                                                            norm_stacks=norm_stacks)
+                                                            norm_stacks=norm_stacks, kv_write_backend=kv_write_backend,
+                                                            k_norm_stack=k_norm_stack)
             if len(tap_layers):
                 slot = tap_slot[layer]
                 s = jnp.maximum(slot, 0)

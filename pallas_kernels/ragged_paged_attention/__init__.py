@@ -60,7 +60,8 @@ def ragged_paged_attention_op(
     raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
 
 
-# The KV write path stays the XLA scatter (in place on donated caches): see kernel.py.
+# The generic K/V write is the XLA scatter (in place on donated caches); the Qwen3 layer can
+# instead write k and v straight from its qkv projection with pallas_kernels/kv_write.
 write_kv_pages = write_kv_pages_reference
 
 __all__ = [

@@ -1,0 +1,182 @@
+"""H200 check and benchmark of the K/V cache write from the qkv projection (pallas_kernels/kv_write).
+
+Why: between the qkv GEMM and the attention kernel of a batch-1 Qwen3-8B decode step XLA runs
+five small kernels per layer; the Pallas kernel does k's norm + rope and the k / v scatter in one
+(see pallas_kernels/kv_write/kernel.py).  This measures one layer's write at decode and verify
+sizes against the same math compiled by XLA, on a stacked cache the size of a serving pool.
+
+Stages:
+
+  check (always): kernel vs the jitted reference on the device for the 8B shape at T = 1, 16 and
+      256 rows (bf16, stacked caches with a traced layer, padding rows in sentinel page 0), and
+      for masked kv heads (Hkv = 3, fp32).  The written rows must match (bf16: at most 1% of
+      elements one rounding step apart, 2e-2 tolerance; fp32: 1e-6) and nothing else may
+      change.  A failure stops the run (exit 2) before anything is timed.
+  bench: per T in --rows, us per call of (a) the kernel, (b) the reference under XLA, each a
+      chain of --calls writes in one jit (the caches carried from call to call, donated between
+      executables), median over repetitions; bytes = read k and v columns, weight and rope rows,
+      write k and v; roofline = bytes / measured copy bandwidth; "XLA kernels / call" counts the
+      launches in XLA's optimised HLO of one reference call.
+
+Results: <out-dir>/kv_write_h200.json and .md.
+
+    PYTHONPATH=. python3 benchmarks/bench_kv_write.py --out-dir $OUT          # on the GPU
+    python benchmarks/bench_kv_write.py --interpret --smoke --out-dir /tmp/kvw  # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.common import copy_bandwidth, count_kernels, environment, write_results  # noqa: E402
+from pallas_kernels.kv_write import write_kv_from_qkv, write_kv_from_qkv_reference  # noqa: E402
+
+EPS = 1e-6
+SHAPE_8B = dict(H=32, Hk=8, D=128, L=36)
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def make_inputs(rng, T, H, Hk, D, L, pages, page_size, dtype, pad=0):
+    qkv = jnp.asarray(rng.standard_normal((T, (H + 2 * Hk) * D)) * 3, dtype)
+    w = jnp.asarray(1 + 0.5 * rng.standard_normal((L, D)), dtype)
+    pos = rng.integers(0, 30000, T)
+    inv = 1.0 / (1e6 ** (np.arange(0, D, 2) / D))
+    emb = np.concatenate([pos[:, None] * inv[None]] * 2, -1)
+    cos, sin = jnp.asarray(np.cos(emb), jnp.float32), jnp.asarray(np.sin(emb), jnp.float32)
+    real = rng.choice(np.arange(page_size, pages * page_size), T - pad, replace=False)
+    slots = jnp.asarray(np.concatenate([real, rng.integers(0, page_size, pad)]), jnp.int32)
+    shape = (L, pages, page_size, Hk, D)
+    k_pages = jax.random.normal(jax.random.PRNGKey(T), shape, dtype)
+    v_pages = jax.random.normal(jax.random.PRNGKey(T + 1), shape, dtype)
+    return [k_pages, v_pages, qkv, w, cos, sin, slots]
+
+
+def kernel_call(H, interpret):
+    def f(kp, vp, qkv, w, cos, sin, slots, layer):
+        return write_kv_from_qkv(kp, vp, qkv, w, cos, sin, slots, num_q_heads=H, eps=EPS, layer=layer,
+                                 interpret=interpret)
+    return f
+
+
+def reference_call(H):
+    def f(kp, vp, qkv, w, cos, sin, slots, layer):
+        return write_kv_from_qkv_reference(kp, vp, qkv, w, cos, sin, slots, num_q_heads=H, eps=EPS, layer=layer)
+    return f
+
+
+def run_check(rng, interpret, smoke) -> list[dict]:
+    cases = [(1, SHAPE_8B, jnp.bfloat16, 0), (16, SHAPE_8B, jnp.bfloat16, 3), (256, SHAPE_8B, jnp.bfloat16, 17),
+             (7, dict(H=12, Hk=3, D=64, L=3), jnp.float32, 2)]
+    if smoke:
+        cases = [(3, dict(H=4, Hk=2, D=16, L=2), jnp.bfloat16, 1), (5, dict(H=6, Hk=3, D=32, L=3), jnp.float32, 2)]
+    rows = []
+    for T, s, dtype, pad in cases:
+        args = make_inputs(rng, T, s["H"], s["Hk"], s["D"], s["L"], 64, 16, dtype, pad)
+        layer = jnp.int32(s["L"] - 1)
+        want = jax.jit(reference_call(s["H"]))(*args, layer)
+        got = jax.jit(kernel_call(s["H"], interpret))(*args, layer)
+        row = dict(T=T, **s, dtype=jnp.dtype(dtype).name, pad_rows=pad)
+        for name, g, e, before in zip("kv", got, want, args[:2]):
+            g, e, b = (np.asarray(jnp.asarray(a, jnp.float32)) for a in (g, e, before))
+            touched = np.any(e != b, axis=(-2, -1)) | np.any(g != b, axis=(-2, -1))
+            diff = g[touched] != e[touched]
+            err = float(np.max(np.abs(g - e)))
+            tol = 1e-6 if dtype == jnp.float32 else 2e-2
+            ok = err <= tol * max(1.0, float(np.max(np.abs(e)))) and float(np.mean(diff)) <= 0.01
+            ok = ok and bool(np.all(g[~touched] == b[~touched]))
+            row[name] = dict(max_abs_err=err, mismatch_fraction=float(np.mean(diff)), rows_written=int(touched.sum()),
+                             ok=ok)
+        rows.append(row)
+        log(f"check T={T} {s} {row['dtype']}: k {row['k']} v {row['v']}")
+    return rows
+
+
+def time_chain_of(fn, args, layer, n, reps):
+    """us per call: a jit of n chained writes (caches carried), executables dispatched back to back."""
+    def chain(kp, vp, *rest):
+        def body(_, c):
+            return fn(*c, *rest, layer)
+        return jax.lax.fori_loop(0, n, body, (kp, vp))
+
+    f = jax.jit(chain, donate_argnums=(0, 1))
+    state = list(args[:2])
+    rest = args[2:]
+    state[:] = f(*state, *rest)
+    jax.block_until_ready(state)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(5):
+            state[:] = f(*state, *rest)
+        jax.block_until_ready(state)
+        ts.append((time.perf_counter() - t0) / (5 * n))
+    return statistics.median(ts) * 1e6
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    ap.add_argument("--pages", type=int, default=2048, help="pages per layer of the stacked cache")
+    ap.add_argument("--calls", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--interpret", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU, with --interpret)")
+    ap.add_argument("--name", default="kv_write_h200")
+    ap.add_argument("--out-dir", action="append", default=[])
+    args = ap.parse_args(argv)
+    rng = np.random.default_rng(0)
+    env = environment()
+    log(f"{env['device']}, jax {env['jax']}, commit {env['commit']}")
+    check = run_check(rng, args.interpret, args.smoke)
+    if not all(r["k"]["ok"] and r["v"]["ok"] for r in check):
+        log("CHECK FAILED: nothing timed")
+        write_results(args.name, dict(env=env, check=check, status="check failed"), "# check failed\n", args.out_dir)
+        sys.exit(2)
+    s = dict(H=4, Hk=2, D=16, L=2) if args.smoke else SHAPE_8B
+    pages = 8 if args.smoke else args.pages
+    rows_arg = [1, 3] if args.smoke else args.rows
+    calls, reps = (2, 1) if args.smoke else (args.calls, args.reps)
+    bw = 1e9 if args.smoke else copy_bandwidth()
+    rows = []
+    for T in rows_arg:
+        inputs = make_inputs(rng, T, s["H"], s["Hk"], s["D"], s["L"], pages, 16, jnp.bfloat16)
+        layer = jnp.int32(s["L"] // 2)
+        kern = time_chain_of(kernel_call(s["H"], args.interpret), inputs, layer, calls, reps)
+        inputs = make_inputs(rng, T, s["H"], s["Hk"], s["D"], s["L"], pages, 16, jnp.bfloat16)
+        xla = time_chain_of(reference_call(s["H"]), inputs, layer, calls, reps)
+        hlo = jax.jit(reference_call(s["H"])).lower(*inputs, layer).compile().as_text()
+        nbytes = T * (2 * 2 * s["Hk"] * s["D"] * 2 + 2 * s["D"] * 4) + s["D"] * 2
+        row = dict(T=T, kernel_us=kern, xla_us=xla, xla_over_kernel=xla / kern, xla_kernels_per_call=count_kernels(hlo),
+                   bytes=nbytes, roofline_us=nbytes / bw * 1e6)
+        rows.append(row)
+        log(row)
+    md = [f"# K/V write from the qkv projection: Pallas kernel vs XLA\n",
+          f"{env['device']}, jax {env['jax']}, {env['date']}, commit {env['commit']}; Hq {s['H']}, Hkv {s['Hk']}, "
+          f"D {s['D']}, bf16, stacked cache of {s['L']} layers x {pages} pages of 16; copy bandwidth {bw / 1e12:.2f} TB/s. "
+          f"us per call: median over {reps} repetitions of 5 executables of {calls} chained writes.\n",
+          "| rows | kernel us | XLA us | XLA / kernel | XLA kernels / call | bytes | roofline us |",
+          "|---:|---:|---:|---:|---:|---:|---:|"]
+    md += [f"| {r['T']} | {r['kernel_us']:.2f} | {r['xla_us']:.2f} | {r['xla_over_kernel']:.2f} | "
+           f"{r['xla_kernels_per_call']} | {r['bytes']} | {r['roofline_us']:.3f} |" for r in rows]
+    payload = dict(env=env, shape=s, pages=pages, copy_bandwidth_Bps=bw, check=check, rows=rows,
+                   interpret=args.interpret, status="complete")
+    for p in write_results(args.name, payload, "\n".join(md) + "\n", args.out_dir or ["runs/kv-write"]):
+        log(f"wrote {p}")
+    log("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()

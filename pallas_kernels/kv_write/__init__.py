@@ -1,0 +1,50 @@
+"""K/V cache write straight from the fused qkv projection (k norm + rope + scatter of k and v).
+
+``write_kv_from_qkv_op`` dispatches to the Pallas kernel (``kernel.py``) or the jnp reference
+(``reference.py``); both take the same arguments and return the updated caches.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.kv_write.kernel import kernel_supports, tile_shapes, write_kv_from_qkv
+from pallas_kernels.kv_write.reference import split_qkv, write_kv_from_qkv_reference
+
+BACKENDS = ("reference", "pallas", "auto")
+
+
+def resolve_backend(backend: str, head_dim: int) -> str:
+    """"auto" is pallas on GPU, else the reference; "pallas" falls back to the reference for a
+    head_dim the kernel cannot take (not a power of two)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kv write backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "auto":
+        backend = "pallas" if jax.default_backend() == "gpu" else "reference"
+    if backend == "pallas" and not kernel_supports(head_dim):
+        backend = "reference"
+    return backend
+
+
+def write_kv_from_qkv_op(k_pages, v_pages, qkv, k_norm_weight, cos, sin, slot_mapping, *, num_q_heads: int,
+                         eps: float, layer=None, backend: str = "pallas", interpret: bool | None = None):
+    """Updated ``(k_pages, v_pages)`` through the chosen backend (see ``resolve_backend``); off
+    the GPU the kernel runs in interpret mode unless ``interpret`` says otherwise."""
+    args = (k_pages, v_pages, qkv, k_norm_weight, cos, sin, slot_mapping)
+    if resolve_backend(backend, k_pages.shape[-1]) == "reference":
+        return write_kv_from_qkv_reference(*args, num_q_heads=num_q_heads, eps=eps, layer=layer)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    return write_kv_from_qkv(*args, num_q_heads=num_q_heads, eps=eps, layer=layer, interpret=interpret)
+
+
+__all__ = [
+    "BACKENDS",
+    "kernel_supports",
+    "resolve_backend",
+    "split_qkv",
+    "tile_shapes",
+    "write_kv_from_qkv",
+    "write_kv_from_qkv_op",
+    "write_kv_from_qkv_reference",
+]

@@ -1,0 +1,160 @@
+"""K/V cache write from the fused qkv projection: Pallas kernel (Triton backend), one launch.
+
+Same semantics as ``reference.write_kv_from_qkv_reference`` (read its docstring).
+
+Why: in the batch-1 decode step of a Qwen3-8B-shaped model XLA spends five small kernels per
+layer between the qkv GEMM and the attention kernel (the q/k norm reduction, the q slice with
+norm and rope, and for k and for v a select -- the norm and rope fused into the bounds check of
+the one-row scatter -- plus a dynamic update slice; benchmarks/results/
+decode_profile_qwen3-8b_bs1_pallas_fusednorm_194fac9.md), each ~1-2.5 us plus a launch gap.
+This kernel reads the k and v columns of the qkv row itself, norms and rotates k, and stores
+both into their cache slot, so only q's two kernels remain.
+
+Design:
+
+* Grid ``(T,)``: program ``t`` owns token ``t``'s ``[Hkv, D]`` k and v tiles (kv heads padded
+  to a power of two and masked; ``D`` must be a power of two).  No BlockSpecs: every input is a
+  whole array indexed in-kernel (like the attention kernel), so the caches can stay stacked
+  ``[L, N, page_size, Hkv, D]`` and be indexed with the layer scalar, the k-norm weight can be
+  the ``[L, D]`` stack of all layers (XLA copies a layer slice handed to a custom call into a
+  buffer of its own first), and no slice of the qkv row is ever copied out for the call.
+* rotate_half without a shuffle: the kernel loads the k row a second time at the permuted
+  columns ``(d + D/2) mod D`` (and the weight likewise) and applies the sign, which gives
+  exactly the reference's ``concat(-x[D/2:], x[:D/2])`` after the per-head norm (the rsqrt
+  factor is per head, so it applies to both loads).
+* The caches are aliased input -> output (``input_output_aliases``): with the engine's donated
+  buffers XLA updates them in place and the kernel writes only the T rows it owns.
+* ``num_warps`` 4, ``num_stages`` 1 (nothing loops), passed explicitly so jax 0.10.2 and 0.11.x
+  both lower with the Triton backend.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def kernel_supports(head_dim: int) -> bool:
+    """The kernel needs a power-of-two head_dim of at least 2 (a Triton tile dimension)."""
+    return head_dim >= 2 and head_dim & (head_dim - 1) == 0
+
+
+def tile_shapes(num_kv_heads: int, head_dim: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor shape the GPU path builds (all must be powers of two)."""
+    hp = _next_pow2(num_kv_heads)
+    return {"k": (hp, head_dim), "v": (hp, head_dim), "weight": (head_dim,), "cos": (1, head_dim)}
+
+
+def _kernel(layer_ref, slot_ref, qkv_ref, w_ref, cos_ref, sin_ref, _k_in, _v_in, k_ref, v_ref, *,
+            num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, eps: float,
+            stacked: bool, weight_stacked: bool):
+    H, Hk, D = num_q_heads, num_kv_heads, head_dim
+    HP, half = _next_pow2(Hk), D // 2
+    t = pl.program_id(0)
+    h = lax.iota(jnp.int32, HP)[:, None]
+    d = lax.iota(jnp.int32, D)[None, :]
+    d_rot = jnp.where(d < half, d + half, d - half)  # column feeding rotate_half at column d
+    sign = jnp.where(d < half, -1.0, 1.0).astype(jnp.float32)
+    mask = None if HP == Hk else jnp.broadcast_to(h < Hk, (HP, D))
+
+    def load(ref, idx):
+        if mask is None:
+            return pltriton.load(ref.at[idx])
+        return pltriton.load(ref.at[idx], mask=mask, other=0)
+
+    k_col = H * D + h * D
+    k = load(qkv_ref, (t, k_col + d))
+    k_rot = load(qkv_ref, (t, k_col + d_rot))
+    v = load(qkv_ref, (t, (H + Hk) * D + h * D + d))
+    w_idx = (layer_ref[0],) if weight_stacked else ()
+    w = pltriton.load(w_ref.at[(*w_idx, d[0])])[None, :]
+    w_rot = pltriton.load(w_ref.at[(*w_idx, d_rot[0])])[None, :]
+    cos = pltriton.load(cos_ref.at[t, d[0]])[None, :]
+    sin = pltriton.load(sin_ref.at[t, d[0]])[None, :]
+
+    kf = k.astype(jnp.float32)
+    # mean over D as sum * (1 / D): exact, D is a power of two
+    r = lax.rsqrt(jnp.sum(kf * kf, axis=1, keepdims=True) * (1.0 / D) + eps)
+    normed = w * (kf * r).astype(k.dtype)
+    normed_rot = w_rot * (k_rot.astype(jnp.float32) * r).astype(k.dtype)
+    rotated = normed_rot.astype(jnp.float32) * sign
+    k_out = (normed.astype(jnp.float32) * cos + rotated * sin).astype(normed.dtype)
+
+    slot = slot_ref[t]
+    page, off = slot // page_size, lax.rem(slot, page_size)
+    idx = (page, off, h, d)
+    if stacked:
+        idx = (layer_ref[0], *idx)
+    pltriton.store(k_ref.at[idx], k_out.astype(k_ref.dtype), mask=mask)
+    pltriton.store(v_ref.at[idx], v.astype(v_ref.dtype), mask=mask)
+
+
+@functools.partial(jax.jit, static_argnames=("num_q_heads", "eps", "interpret"))
+def write_kv_from_qkv(
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    qkv: jax.Array,
+    k_norm_weight: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    slot_mapping: jax.Array,
+    *,
+    num_q_heads: int,
+    eps: float,
+    layer: jax.Array | int | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Pallas (Triton backend) version of ``write_kv_from_qkv_reference``: same arguments."""
+    stacked = layer is not None
+    if k_pages.shape != v_pages.shape or k_pages.ndim != (5 if stacked else 4):
+        raise ValueError(f"bad k/v page shapes {k_pages.shape} {v_pages.shape} (layer={layer})")
+    page_size, Hk, D = k_pages.shape[-3:]
+    if not kernel_supports(D):
+        raise ValueError(f"head_dim {D} must be a power of two for the kernel (use the reference)")
+    T = qkv.shape[0]
+    if qkv.ndim != 2 or qkv.shape[1] != (num_q_heads + 2 * Hk) * D:
+        raise ValueError(f"qkv {qkv.shape} must be [T, (Hq + 2 Hkv) * D] = [T, {(num_q_heads + 2 * Hk) * D}]")
+    weight_stacked = k_norm_weight.ndim == 2
+    if not (k_norm_weight.shape == (D,) or (stacked and weight_stacked and k_norm_weight.shape[1] == D)):
+        raise ValueError(f"k_norm_weight {k_norm_weight.shape} must be [{D}] (or a stack [L, {D}] with layer)")
+    if cos.shape != (T, D) or sin.shape != (T, D):
+        raise ValueError(f"cos {cos.shape} / sin {sin.shape} must be [T, D] = [{T}, {D}]")
+    if slot_mapping.shape != (T,):
+        raise ValueError(f"slot_mapping {slot_mapping.shape} must be [{T}]")
+    if T == 0:
+        return k_pages, v_pages
+    layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+    kernel = functools.partial(
+        _kernel, num_q_heads=num_q_heads, num_kv_heads=Hk, head_dim=D, page_size=page_size,
+        eps=float(eps), stacked=stacked, weight_stacked=weight_stacked,
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+            jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype),
+        ),
+        grid=(T,),
+        input_output_aliases={6: 0, 7: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name=f"write_kv_from_qkv_h{Hk}_d{D}",
+    )(
+        layer_arr,
+        slot_mapping.astype(jnp.int32),
+        qkv,
+        k_norm_weight,
+        cos.astype(jnp.float32),
+        sin.astype(jnp.float32),
+        k_pages,
+        v_pages,
+    )

@@ -1,0 +1,83 @@
+"""Plain-jnp K/V cache write from the fused qkv projection: the semantics the kernel must match.
+
+A Qwen3 attention layer turns its qkv projection row into cache entries as::
+
+    k = rope(rms_norm(qkv[:, k columns], k_norm_weight), cos, sin)   # per kv head
+    v = qkv[:, v columns]
+    cache[slot] = (k, v)                                              # slot = page * page_size + off
+
+Left to XLA, the k norm's reduction, the k norm + rope + scatter (a select and a dynamic update
+slice at one row) and the v scatter (the same pair) are four or five launch-bound kernels per
+layer at batch-1 decode.  The Pallas kernel beside this file does all of it in one launch.
+
+Semantics, op for op those of ``dspark_jax.layers.norm.rms_norm`` and
+``dspark_jax.layers.rotary.apply_rope`` (repeated here so ``pallas_kernels`` does not import
+``dspark_jax``):
+
+- rms_norm: upcast to fp32, multiply by ``rsqrt(mean(x * x) + eps)``, cast back to the qkv dtype,
+  multiply by the weight (jnp promotion: the weight shares the activation dtype in the model);
+- rope (rotate-half convention): ``out = x * cos + rotate_half(x) * sin`` in fp32 with
+  ``rotate_half(x) = concat(-x[D/2:], x[:D/2])``, cast back to the normed dtype;
+- both k and v are cast to the cache dtype and scattered to their slots; rows whose slot lies in
+  the reserved sentinel page 0 (tier padding) write only there.
+
+Shapes: ``qkv [T, (Hq + 2 Hkv) D]`` (q columns first, then k, then v, each head-major);
+``k_norm_weight [D]`` (or the ``[L, D]`` stack of all layers' weights when ``layer`` is given);
+``cos``, ``sin`` ``[T, D]`` fp32; caches ``[N, page_size, Hkv, D]`` or
+stacked ``[L, N, page_size, Hkv, D]`` with ``layer`` (an int32 scalar in ``[0, L)``);
+``slot_mapping [T]`` int32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def split_qkv(qkv: jax.Array, num_q_heads: int, num_kv_heads: int, head_dim: int):
+    """qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] (views, unnormed)."""
+    T = qkv.shape[0]
+    H, Hk, D = num_q_heads, num_kv_heads, head_dim
+    if qkv.ndim != 2 or qkv.shape[1] != (H + 2 * Hk) * D:
+        raise ValueError(f"qkv {qkv.shape} must be [T, (Hq + 2 Hkv) * D] = [T, {(H + 2 * Hk) * D}]")
+    q = qkv[:, : H * D].reshape(T, H, D)
+    k = qkv[:, H * D : (H + Hk) * D].reshape(T, Hk, D)
+    v = qkv[:, (H + Hk) * D :].reshape(T, Hk, D)
+    return q, k, v
+
+
+def write_kv_from_qkv_reference(
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    qkv: jax.Array,
+    k_norm_weight: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    slot_mapping: jax.Array,
+    *,
+    num_q_heads: int,
+    eps: float,
+    layer: jax.Array | int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Returns the updated ``(k_pages, v_pages)``; with the caches donated XLA updates in place."""
+    Hk, D = k_pages.shape[-2], k_pages.shape[-1]
+    _, k, v = split_qkv(qkv, num_q_heads, Hk, D)
+    if layer is not None and k_norm_weight.ndim == 2:
+        k_norm_weight = k_norm_weight[layer]  # a stack [L, D] of the layers' weights
+    if k_norm_weight.shape != (D,):
+        raise ValueError(f"k_norm_weight {k_norm_weight.shape} must be [{D}] (or a stack [L, {D}] with layer)")
+    if cos.shape != (qkv.shape[0], D) or sin.shape != cos.shape:
+        raise ValueError(f"cos {cos.shape} / sin {sin.shape} must be [T, D] = [{qkv.shape[0]}, {D}]")
+    kf = k.astype(jnp.float32)
+    kf = kf * jax.lax.rsqrt(jnp.mean(kf * kf, axis=-1, keepdims=True) + eps)
+    k = k_norm_weight * kf.astype(k.dtype)
+    half = D // 2
+    kf = k.astype(jnp.float32)
+    rotated = jnp.concatenate([-kf[..., half:], kf[..., :half]], axis=-1)
+    k = (kf * cos[:, None, :] + rotated * sin[:, None, :]).astype(k.dtype)
+    page_size = k_pages.shape[-3]
+    page, off = slot_mapping // page_size, slot_mapping % page_size
+    idx = (page, off) if layer is None else (jnp.reshape(layer, ()).astype(jnp.int32), page, off)
+    k_pages = k_pages.at[idx].set(k.astype(k_pages.dtype), mode="promise_in_bounds")
+    v_pages = v_pages.at[idx].set(v.astype(v_pages.dtype), mode="promise_in_bounds")
+    return k_pages, v_pages
