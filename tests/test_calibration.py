@@ -295,6 +295,36 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert "block size 3" in capsys.readouterr().out
 
 
+def test_cli_breaks_calibration_down_by_group(tmp_path, capsys):
+    """Two groups whose logits are shifted in opposite directions: a temperature cannot undo a
+    shift, so the pooled STS fit leaves one group under-confident and (at position 1) the other
+    over-confident, each worse than the pooled ECE; by_group says so, with each group's rows
+    counted and its own mean label."""
+    rng = np.random.default_rng(3)
+    true = rng.normal(1.0, 1.5, size=(4000, 3))
+    labels = np.cumprod(rng.random(true.shape) < sigmoid(true), axis=1).astype(np.int8)
+    shift = np.where(np.arange(4000) < 2000, -1.5, 1.5)[:, None]  # group u: logits too low, o: too high
+    np.savez(tmp_path / "s.npz", logits=true + shift, num_accepted_drafts=labels.sum(1),
+             group_ids=(np.arange(4000) >= 2000).astype(np.int16), group_names=np.array(["u", "o"]))
+    out = tmp_path / "sts.json"
+    assert calibrate_sts.main([str(tmp_path / "s.npz"), "--dataset", "g", "--out", str(out)]) == 0
+    by = json.loads(out.read_text())["by_group"]
+    assert sorted(by) == ["o", "u"] and by["u"]["num_samples"] == by["o"]["num_samples"] == 2000
+    pooled = json.loads(out.read_text())["ece_after"]
+    # position 1: opposite biases, each group worse calibrated than the pool it was fitted on
+    assert by["u"]["mean_survival_after"][0] < by["u"]["mean_label"][0]
+    assert by["o"]["mean_survival_after"][0] > by["o"]["mean_label"][0]
+    assert min(by["u"]["ece_after"][0], by["o"]["ece_after"][0]) > pooled[0]
+    for k in range(3):
+        assert by["u"]["mean_survival_after"][k] < by["u"]["mean_label"][k]
+        np.testing.assert_allclose(by["u"]["mean_label"][k], labels[:2000, k].mean())
+        np.testing.assert_allclose(by["o"]["mean_label"][k], labels[2000:, k].mean())
+    assert "group 'u' (n=2000)" in capsys.readouterr().out
+    # shards without groups: no breakdown
+    np.savez(tmp_path / "plain.npz", logits=true, num_accepted_drafts=labels.sum(1))
+    assert calibrate_sts.load_groups([tmp_path / "plain.npz"]) is None
+
+
 def test_cli_rejects_bad_shards(tmp_path):
     np.savez(tmp_path / "a.npz", logits=np.zeros((4, 3)), num_accepted_drafts=np.array([0, 1, 2, 3]))
     np.savez(tmp_path / "b.npz", logits=np.zeros((4, 2)), num_accepted_drafts=np.array([0, 1, 2, 2]))

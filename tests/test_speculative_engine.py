@@ -295,13 +295,23 @@ def test_sts_recording_feeds_the_calibration_cli(pair, tmp_path):
     rec = tmp_path / "sts"
     eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC),
                             SpeculativeConfig(mode="static", record_sts_dir=str(rec), record_shard_rows=16))
+    eng.set_record_group("a")
     eng.generate(_prompts(target.config.vocab_size, 6, seed=11), GREEDY)
+    rows_a = eng.stats["rounds"]
+    eng.set_record_group("b")
+    eng.generate(_prompts(target.config.vocab_size, 2, seed=12), GREEDY)
     eng.flush_records()
     shards = sorted(rec.glob("sts-*.npz"))
     assert shards
     data = np.load(shards[0])
     assert data["logits"].shape[1] == drafter.config.block_size
     assert ((0 <= data["num_accepted_drafts"]) & (data["num_accepted_drafts"] <= drafter.config.block_size)).all()
+    from training.calibrate_sts import load_groups
+
+    groups = load_groups(shards)
+    # every row carries the group it was recorded under, in order: all of "a" first, then "b"
+    assert set(groups) == {"a", "b"} and (groups[:-1] <= groups[1:]).all()
+    assert 0 < (groups == "a").sum() <= 6 * rows_a  # at most one row per request per round
     p = subprocess.run([sys.executable, "-m", "training.calibrate_sts", str(rec), "--dataset", "test",
                         "--out", str(tmp_path / "sts.json")], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr

@@ -8,7 +8,9 @@ prefix-survival labels `prefix_mask` [n, γ] or accepted-draft counts `num_accep
 (aliases: see LOGITS_KEYS, LABEL_KEYS, COUNT_KEYS).  A directory argument means every *.npz in it.
 
 Writes the calibration JSON (temperatures plus per-position ECE/AUROC/Brier of the cumulative
-survival before, i.e. at identity temperatures, and after) and a reliability plot PNG.
+survival before, i.e. at identity temperatures, and after) and a reliability plot PNG.  Shards
+that say which group (workload) each row came from also get ``by_group``: ECE before / after and
+mean survival vs mean label per group and position.
 """
 
 from __future__ import annotations
@@ -84,6 +86,35 @@ def load_shards(paths: list[Path]) -> tuple[np.ndarray, np.ndarray]:
     return logits, np.concatenate([lb for _, lb in pairs])
 
 
+def load_groups(paths: list[Path]) -> np.ndarray | None:
+    """Each row's group name (``group_names[group_ids]``, written by the recorder), in the row order
+    of ``load_shards``; None unless every shard carries groups and some row has a non-empty name."""
+    names = []
+    for path in paths:
+        with np.load(path) as shard:
+            if "group_ids" not in shard.files or "group_names" not in shard.files:
+                return None
+            names.append(np.asarray(shard["group_names"]).astype(str)[shard["group_ids"]])
+    names = np.concatenate(names) if names else np.zeros(0, str)
+    return names if (names != "").any() else None
+
+
+def metrics_by_group(groups: np.ndarray, before: np.ndarray, after: np.ndarray, labels: np.ndarray,
+                     num_bins: int) -> dict:
+    """Per group: rows, per-position ECE of the survival before / after, mean survival after and mean
+    label.  A shared temperature cannot remove a bias whose sign differs between groups; this
+    shows whether that is what the pooled ECE after the fit is made of."""
+    out = {}
+    for name in sorted(set(groups.tolist())):
+        rows = groups == name
+        b = confidence_metrics_by_position(before[rows], labels[rows], num_bins)
+        a = confidence_metrics_by_position(after[rows], labels[rows], num_bins)
+        out[name] = {"num_samples": int(rows.sum()), "ece_before": _json_floats(b["ece"]),
+                     "ece_after": _json_floats(a["ece"]), "mean_survival_after": _json_floats(after[rows].mean(0)),
+                     "mean_label": _json_floats(labels[rows].mean(0))}
+    return out
+
+
 def _json_floats(values) -> list[float | None]:
     """Floats for JSON; NaN (e.g. AUROC where every label is equal) becomes null."""
     return [None if math.isnan(v) else round(float(v), 6) for v in values]
@@ -134,7 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logits, labels = load_shards(shard_paths(args.shards))
+    paths = shard_paths(args.shards)
+    logits, labels = load_shards(paths)
+    groups = load_groups(paths)
     n, block_size = logits.shape
     if args.block_size is not None and block_size != args.block_size:
         raise SystemExit(f"shards have block size {block_size}, expected {args.block_size}")
@@ -156,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
            for metric in ("ece", "auroc", "brier") for when, values in (("before", before), ("after", after))},
         "mean_label": _json_floats(before["mean_label"]),
     }
+    if groups is not None:
+        record["by_group"] = metrics_by_group(groups, before_survival, after_survival, labels, args.bins)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fit.calibration.save(args.out, record)
     plot_path = args.plot or args.out.with_suffix(".png")
@@ -167,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     for k, t in enumerate(fit.calibration.temperatures):
         print(f"{k + 1:4d} {t:6.3f}   {before['ece'][k]:9.4f}  {after['ece'][k]:9.4f}  {after['auroc'][k]:5.3f}"
               f"  {before['brier'][k]:.4f}/{after['brier'][k]:.4f}")
+    for name, g in record.get("by_group", {}).items():
+        bias = [s - y for s, y in zip(g["mean_survival_after"], g["mean_label"])]
+        print(f"group {name!r} (n={g['num_samples']}): ECE after " + " ".join(f"{e:.3f}" for e in g["ece_after"])
+              + " | mean survival - mean label " + " ".join(f"{b:+.3f}" for b in bias))
     if fit.at_grid_edge:
         print(f"warning: positions {[k + 1 for k in fit.at_grid_edge]} chose a grid-edge temperature; "
               f"consider widening --grid-min/--grid-max", file=sys.stderr)

@@ -59,6 +59,9 @@ def evaluate(engine, prompts: list[dict], temperatures: list[float], max_new_tok
             metrics = getattr(engine, "confidence_metrics", None)
             if metrics is not None:
                 metrics.reset()
+            set_group = getattr(engine, "set_record_group", None)
+            if set_group is not None:  # STS shards then say which workload each row came from
+                set_group(workload if len(temperatures) == 1 else f"{workload}@T={temp:g}")
             params = [SamplingParams(temperature=temp, max_new_tokens=max_new_tokens, seed=request_seed(seed, p["id"]))
                       for p in group]
             t0 = time.perf_counter()

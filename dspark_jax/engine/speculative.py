@@ -380,6 +380,11 @@ class SpeculativeEngine(Engine):
                 reason = {"stop": "eos", "length": "length"}.get(r.finish_reason, "abort")
                 r.spec_extra["ceiling_estimate"] = self.estimator.finish(r.id, reason)
 
+    def set_record_group(self, name: str) -> None:
+        """Tag the STS rows recorded from now on with a group name (no-op when not recording)."""
+        if self._recorder is not None:
+            self._recorder.set_group(name)
+
     def flush_records(self):
         """Write any buffered STS calibration rows to a shard (no-op when not recording)."""
         return self._recorder.flush() if self._recorder is not None else None
