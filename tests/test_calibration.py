@@ -320,9 +320,17 @@ def test_cli_breaks_calibration_down_by_group(tmp_path, capsys):
         np.testing.assert_allclose(by["u"]["mean_label"][k], labels[:2000, k].mean())
         np.testing.assert_allclose(by["o"]["mean_label"][k], labels[2000:, k].mean())
     assert "group 'u' (n=2000)" in capsys.readouterr().out
+    # a final-round flag gives the final / earlier breakdown, rows counted
+    np.savez(tmp_path / "f.npz", logits=true, num_accepted_drafts=labels.sum(1),
+             final_round=np.arange(4000) % 10 == 0)
+    assert calibrate_sts.main([str(tmp_path / "f.npz"), "--dataset", "g", "--out", str(out)]) == 0
+    by_round = json.loads(out.read_text())["by_round"]
+    assert by_round["final"]["num_samples"] == 400 and by_round["earlier"]["num_samples"] == 3600
+    np.testing.assert_allclose(by_round["final"]["mean_label"][0], labels[::10, 0].mean())
     # shards without groups: no breakdown
     np.savez(tmp_path / "plain.npz", logits=true, num_accepted_drafts=labels.sum(1))
     assert calibrate_sts.load_groups([tmp_path / "plain.npz"]) is None
+    assert calibrate_sts.load_final_rounds([tmp_path / "plain.npz"]) is None
 
 
 def test_cli_rejects_bad_shards(tmp_path):

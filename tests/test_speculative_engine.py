@@ -312,6 +312,9 @@ def test_sts_recording_feeds_the_calibration_cli(pair, tmp_path):
     # every row carries the group it was recorded under, in order: all of "a" first, then "b"
     assert set(groups) == {"a", "b"} and (groups[:-1] <= groups[1:]).all()
     assert 0 < (groups == "a").sum() <= 6 * rows_a  # at most one row per request per round
+    from training.calibrate_sts import load_final_rounds
+
+    assert load_final_rounds(shards).sum() == 8  # each of the 8 requests ends in exactly one round
     p = subprocess.run([sys.executable, "-m", "training.calibrate_sts", str(rec), "--dataset", "test",
                         "--out", str(tmp_path / "sts.json")], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr

@@ -10,7 +10,8 @@ prefix-survival labels `prefix_mask` [n, γ] or accepted-draft counts `num_accep
 Writes the calibration JSON (temperatures plus per-position ECE/AUROC/Brier of the cumulative
 survival before, i.e. at identity temperatures, and after) and a reliability plot PNG.  Shards
 that say which group (workload) each row came from also get ``by_group``: ECE before / after and
-mean survival vs mean label per group and position.
+mean survival vs mean label per group and position; shards that flag each request's final round
+get the same for final vs earlier rounds (``by_round``).
 """
 
 from __future__ import annotations
@@ -99,6 +100,18 @@ def load_groups(paths: list[Path]) -> np.ndarray | None:
     return names if (names != "").any() else None
 
 
+def load_final_rounds(paths: list[Path]) -> np.ndarray | None:
+    """Each row's ``final_round`` flag (the request finished in that round), in ``load_shards``
+    row order; None unless every shard carries the flag."""
+    flags = []
+    for path in paths:
+        with np.load(path) as shard:
+            if "final_round" not in shard.files:
+                return None
+            flags.append(np.asarray(shard["final_round"], bool))
+    return np.concatenate(flags) if flags else None
+
+
 def metrics_by_group(groups: np.ndarray, before: np.ndarray, after: np.ndarray, labels: np.ndarray,
                      num_bins: int) -> dict:
     """Per group: rows, per-position ECE of the survival before / after, mean survival after and mean
@@ -168,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = shard_paths(args.shards)
     logits, labels = load_shards(paths)
     groups = load_groups(paths)
+    final = load_final_rounds(paths)
     n, block_size = logits.shape
     if args.block_size is not None and block_size != args.block_size:
         raise SystemExit(f"shards have block size {block_size}, expected {args.block_size}")
@@ -191,6 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     if groups is not None:
         record["by_group"] = metrics_by_group(groups, before_survival, after_survival, labels, args.bins)
+    if final is not None and final.any():
+        # A request's last round: drafts past its EOS are labelled 0 whatever they were, and the
+        # drafter never trained on positions past an EOS.
+        record["by_round"] = metrics_by_group(np.where(final, "final", "earlier"), before_survival,
+                                              after_survival, labels, args.bins)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fit.calibration.save(args.out, record)
     plot_path = args.plot or args.out.with_suffix(".png")
@@ -202,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, t in enumerate(fit.calibration.temperatures):
         print(f"{k + 1:4d} {t:6.3f}   {before['ece'][k]:9.4f}  {after['ece'][k]:9.4f}  {after['auroc'][k]:5.3f}"
               f"  {before['brier'][k]:.4f}/{after['brier'][k]:.4f}")
-    for name, g in record.get("by_group", {}).items():
+    for name, g in [*record.get("by_group", {}).items(), *record.get("by_round", {}).items()]:
         bias = [s - y for s, y in zip(g["mean_survival_after"], g["mean_label"])]
         print(f"group {name!r} (n={g['num_samples']}): ECE after " + " ".join(f"{e:.3f}" for e in g["ece_after"])
               + " | mean survival - mean label " + " ".join(f"{b:+.3f}" for b in bias))

@@ -2,7 +2,9 @@
 
 Each shard holds ``logits`` [n, gamma] (raw z, identity temperatures) and
 ``num_accepted_drafts`` [n] (drafts full-block verification accepted), the keys
-training/calibrate_sts.py reads, plus ``group_names`` [g] and ``group_ids`` [n]: the group (e.g.
+training/calibrate_sts.py reads, plus ``final_round`` [n] (the round in which the request finished:
+EOS, a stop or the length limit cut it, so positions past the end are labelled 0 whatever the
+drafts were), and ``group_names`` [g] and ``group_ids`` [n]: the group (e.g.
 the workload) each row was recorded under (``set_group``; "" when never set), so calibration can
 be broken down by group -- one temperature per position cannot remove a bias that differs between
 workloads, and the breakdown shows whether that is what is left.  Shards are written whole (temp file + rename), so an
@@ -26,6 +28,7 @@ class StsRecorder:
         self._logits: list[np.ndarray] = []
         self._accepted: list[np.ndarray] = []
         self._groups: list[np.ndarray] = []
+        self._final: list[np.ndarray] = []
         self._group_names: list[str] = [""]
         self._group = 0
         self._rows = 0
@@ -37,9 +40,11 @@ class StsRecorder:
             self._group_names.append(name)
         self._group = self._group_names.index(name)
 
-    def add(self, logits, num_accepted) -> None:
+    def add(self, logits, num_accepted, final_round=None) -> None:
         logits = np.asarray(logits, np.float32).reshape(-1, self.block_size)
         self._logits.append(logits)
+        self._final.append(np.zeros(len(logits), bool) if final_round is None
+                           else np.asarray(final_round, bool).reshape(-1))
         self._accepted.append(np.asarray(num_accepted, np.int32).reshape(-1))
         self._groups.append(np.full(len(logits), self._group, np.int16))
         self._rows += len(logits)
@@ -52,8 +57,9 @@ class StsRecorder:
         path = self.out_dir / f"sts-{self._next:05d}.npz"
         tmp = path.with_suffix(".tmp.npz")
         np.savez_compressed(tmp, logits=np.concatenate(self._logits), num_accepted_drafts=np.concatenate(self._accepted),
-                            group_ids=np.concatenate(self._groups), group_names=np.asarray(self._group_names))
+                            group_ids=np.concatenate(self._groups), group_names=np.asarray(self._group_names),
+                            final_round=np.concatenate(self._final))
         os.replace(tmp, path)
         self._next += 1
-        self._logits, self._accepted, self._groups, self._rows = [], [], [], 0
+        self._logits, self._accepted, self._groups, self._final, self._rows = [], [], [], [], 0
         return path

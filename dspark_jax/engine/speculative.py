@@ -349,8 +349,6 @@ class SpeculativeEngine(Engine):
             self.confidence_metrics.update(out.survival[:bs][alive], labels[alive])
         if self.spec.mode != "static":
             self.scheduler_conf.observe(rnd.step, out.survival[:bs], rnd.generations, slots=rnd.slots)
-        if self._recorder is not None:
-            self._recorder.add(out.confidence_logits[:bs][alive], out.block_accept[:bs][alive])
         events, starts, commits = [], [], []
         self.stats["rounds"] += 1
         for i, r in enumerate(rnd.reqs):
@@ -363,6 +361,9 @@ class SpeculativeEngine(Engine):
             events.append((r, committed))
             if r.status is Status.FINISHED:
                 self._slot_of.pop(r.id, None)
+        if self._recorder is not None:  # after the commit: a row knows whether its request ended here
+            final = np.array([r.status is Status.FINISHED for r in rnd.reqs])[alive]
+            self._recorder.add(out.confidence_logits[:bs][alive], out.block_accept[:bs][alive], final)
         if self.estimator is not None:
             self._update_estimator(rnd.reqs, out, starts, commits)
         return events
