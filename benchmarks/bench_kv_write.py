@@ -1,7 +1,7 @@
 """H200 check and benchmark of the K/V cache write from the qkv projection (pallas_kernels/kv_write).
 
 Why: between the qkv GEMM and the attention kernel of a batch-1 Qwen3-8B decode step XLA runs
-five small kernels per layer; the Pallas kernel does k's norm + rope and the k / v scatter in one
+six small kernels per layer, four of them for k and v; the Pallas kernel does k's norm + rope and the k / v scatter in one
 (see pallas_kernels/kv_write/kernel.py).  This measures one layer's write at decode and verify
 sizes against the same math compiled by XLA, on a stacked cache the size of a serving pool.
 

@@ -2,13 +2,13 @@
 
 Same semantics as ``reference.write_kv_from_qkv_reference`` (read its docstring).
 
-Why: in the batch-1 decode step of a Qwen3-8B-shaped model XLA spends five small kernels per
+Why: in the batch-1 decode step of a Qwen3-8B-shaped model XLA spends six small kernels per
 layer between the qkv GEMM and the attention kernel (the q/k norm reduction, the q slice with
 norm and rope, and for k and for v a select -- the norm and rope fused into the bounds check of
 the one-row scatter -- plus a dynamic update slice; benchmarks/results/
 decode_profile_qwen3-8b_bs1_pallas_fusednorm_194fac9.md), each ~1-2.5 us plus a launch gap.
 This kernel reads the k and v columns of the qkv row itself, norms and rotates k, and stores
-both into their cache slot, so only q's two kernels remain.
+both into their cache slot: the four k / v kernels become one, and q's two remain.
 
 Design:
 

@@ -6,9 +6,9 @@ A Qwen3 attention layer turns its qkv projection row into cache entries as::
     v = qkv[:, v columns]
     cache[slot] = (k, v)                                              # slot = page * page_size + off
 
-Left to XLA, the k norm's reduction, the k norm + rope + scatter (a select and a dynamic update
-slice at one row) and the v scatter (the same pair) are four or five launch-bound kernels per
-layer at batch-1 decode.  The Pallas kernel beside this file does all of it in one launch.
+Left to XLA, the k norm + rope + scatter (a select and a dynamic update slice at one row) and
+the v scatter (the same pair) are four launch-bound kernels per layer at batch-1 decode, beside
+the norm reduction k shares with q.  The Pallas kernel beside this file does all of it in one launch.
 
 Semantics, op for op those of ``dspark_jax.layers.norm.rms_norm`` and
 ``dspark_jax.layers.rotary.apply_rope`` (repeated here so ``pallas_kernels`` does not import
