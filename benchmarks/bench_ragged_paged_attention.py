@@ -771,7 +771,8 @@ def run_ratio(args):
                   offsets="int64" if k_bytes > 2**32 else "int32"),
         arms={a: dict(decode=RATIO_ARMS[a][0], verify=RATIO_ARMS[a][1],
                       what=RATIO_ARMS[a][2]) for a in arms},
-        timing=f"median over {args.reps} repetitions of (chain of n calls in one jit) / n",
+        timing=f"median over {args.reps} repetitions, interleaved across each cell's configurations, "
+               f"of (chain of n calls in one jit) / n",
         interpret=INTERPRET,
     )
     rows, check = [], {}
@@ -812,6 +813,7 @@ def run_ratio(args):
                 exes = list(ex.map(compile_one, jobs.items()))
             tc = time.time() - tc
             base_x1 = {}
+            timed = []  # (row, executable, args, times) of the configurations that checked out
             # base first (per q_len), so every other arm is compared against it
             items = sorted(zip(jobs.items(), exes), key=lambda it: "base" not in it[0][1][1])
             for ((ql, cfg), (kw, arm_names)), exe in items:
@@ -840,12 +842,18 @@ def run_ratio(args):
                     row["error"] = "base arm failed to compile: result unchecked, not timed"
                     rows.append(row)
                     continue
-                ts = []
-                for _ in range(args.reps):
+                timed.append((row, exe, call_args, []))
+            # Repetitions interleaved across the cell's configurations (round robin), so a drift of
+            # the machine during the cell (clocks, other tenants) lands on every arm alike instead
+            # of on whichever arm ran then: single cells of 15-60 us moved by up to 30% between
+            # runs when each configuration was timed in one block.
+            for _ in range(args.reps):
+                for row, exe, call_args, ts in timed:
                     t_s = time.perf_counter()
                     out = exe(*call_args)
                     out[1].block_until_ready()
                     ts.append((time.perf_counter() - t_s) / n)
+            for row, _, _, ts in timed:
                 t = statistics.median(ts)
                 row.update(us=t * 1e6, pct_bw=100 * row["floor_us"] / (t * 1e6))
                 rows.append(row)
