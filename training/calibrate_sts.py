@@ -206,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     if groups is not None:
         record["by_group"] = metrics_by_group(groups, before_survival, after_survival, labels, args.bins)
     if final is not None and final.any():
-        # A request's last round: drafts past its EOS are labelled 0 whatever they were, and the
-        # drafter never trained on positions past an EOS.
+        # A request's last round: a block that runs past its EOS holds positions the drafter
+        # never trained on, and the request commits nothing after the EOS.
         record["by_round"] = metrics_by_group(np.where(final, "final", "earlier"), before_survival,
                                               after_survival, labels, args.bins)
     args.out.parent.mkdir(parents=True, exist_ok=True)

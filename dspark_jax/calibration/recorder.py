@@ -2,12 +2,12 @@
 
 Each shard holds ``logits`` [n, gamma] (raw z, identity temperatures) and
 ``num_accepted_drafts`` [n] (drafts full-block verification accepted), the keys
-training/calibrate_sts.py reads, plus ``final_round`` [n] (the round in which the request finished:
-EOS, a stop or the length limit cut it, so positions past the end are labelled 0 whatever the
-drafts were), and ``group_names`` [g] and ``group_ids`` [n]: the group (e.g.
-the workload) each row was recorded under (``set_group``; "" when never set), so calibration can
-be broken down by group -- one temperature per position cannot remove a bias that differs between
-workloads, and the breakdown shows whether that is what is left.  Shards are written whole (temp file + rename), so an
+training/calibrate_sts.py reads, plus ``final_round`` [n] (the request finished in this round: EOS,
+a stop or the length limit; blocks that run past an EOS hold positions the drafter never trained
+on) and ``group_names`` [g] / ``group_ids`` [n] (the group, e.g. the workload, each row was
+recorded under: ``set_group``, "" when never set).  Both let calibration be broken down: one
+temperature per position cannot remove a bias that differs between groups, and the breakdown
+shows whether that is what is left.  Shards are written whole (temp file + rename), so an
 interrupted run leaves only complete shards.
 """
 
