@@ -11,8 +11,8 @@ jnp reference instead, which has the same semantics; XLA then compiles it as usu
 
 from __future__ import annotations
 
-import jax
-
+from pallas_kernels.backend import BACKENDS, interpret_default
+from pallas_kernels.backend import resolve_backend as _resolve
 from pallas_kernels.fused_add_rms_norm.kernel import (
     MAX_D,
     MIN_TILE_ELEMENTS,
@@ -24,8 +24,6 @@ from pallas_kernels.fused_add_rms_norm.kernel import (
 )
 from pallas_kernels.fused_add_rms_norm.reference import fused_add_rms_norm_reference
 
-BACKENDS = ("pallas", "reference", "auto")
-
 
 def resolve_backend(backend: str, d: int) -> str:
     """The implementation ``fused_add_rms_norm_op`` runs: "pallas" or "reference".
@@ -33,13 +31,7 @@ def resolve_backend(backend: str, d: int) -> str:
     "auto" is pallas on GPU, else the reference; "pallas" becomes the reference when the kernel
     cannot take rows of width ``d`` (not a power of two, or wider than ``MAX_D``).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown fused_add_rms_norm backend {backend!r}; expected one of {BACKENDS}")
-    if backend == "auto":
-        backend = "pallas" if jax.default_backend() == "gpu" else "reference"
-    if backend == "pallas" and not kernel_supports(d):
-        backend = "reference"
-    return backend
+    return _resolve(backend, "fused_add_rms_norm", kernel_supports=kernel_supports(d))
 
 
 def fused_add_rms_norm_op(
@@ -64,10 +56,8 @@ def fused_add_rms_norm_op(
     impl = resolve_backend(backend, x.shape[-1])
     if impl == "reference":
         return fused_add_rms_norm_reference(x, residual, weight, eps=eps, layer=layer)
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
     return fused_add_rms_norm(
-        x, residual, weight, eps=eps, layer=layer, interpret=interpret, **kernel_kwargs
+        x, residual, weight, eps=eps, layer=layer, interpret=interpret_default(interpret), **kernel_kwargs
     )
 
 

@@ -6,24 +6,16 @@
 
 from __future__ import annotations
 
-import jax
-
+from pallas_kernels.backend import BACKENDS, interpret_default
+from pallas_kernels.backend import resolve_backend as _resolve
 from pallas_kernels.kv_write.kernel import kernel_supports, tile_shapes, write_kv_from_qkv
 from pallas_kernels.kv_write.reference import split_qkv, write_kv_from_qkv_reference
-
-BACKENDS = ("reference", "pallas", "auto")
 
 
 def resolve_backend(backend: str, head_dim: int) -> str:
     """"auto" is pallas on GPU, else the reference; "pallas" falls back to the reference for a
     head_dim the kernel cannot take (not a power of two)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown kv write backend {backend!r}; expected one of {BACKENDS}")
-    if backend == "auto":
-        backend = "pallas" if jax.default_backend() == "gpu" else "reference"
-    if backend == "pallas" and not kernel_supports(head_dim):
-        backend = "reference"
-    return backend
+    return _resolve(backend, "kv write", kernel_supports=kernel_supports(head_dim))
 
 
 def write_kv_from_qkv_op(k_pages, v_pages, qkv, k_norm_weight, cos, sin, slot_mapping, *, num_q_heads: int,
@@ -33,9 +25,8 @@ def write_kv_from_qkv_op(k_pages, v_pages, qkv, k_norm_weight, cos, sin, slot_ma
     args = (k_pages, v_pages, qkv, k_norm_weight, cos, sin, slot_mapping)
     if resolve_backend(backend, k_pages.shape[-1]) == "reference":
         return write_kv_from_qkv_reference(*args, num_q_heads=num_q_heads, eps=eps, layer=layer)
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    return write_kv_from_qkv(*args, num_q_heads=num_q_heads, eps=eps, layer=layer, interpret=interpret)
+    return write_kv_from_qkv(*args, num_q_heads=num_q_heads, eps=eps, layer=layer,
+                             interpret=interpret_default(interpret))
 
 
 __all__ = [

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import jax
-
+from pallas_kernels.backend import BACKENDS, interpret_default
+from pallas_kernels.backend import resolve_backend as _resolve
 from pallas_kernels.ragged_paged_attention.kernel import (
     ADDRESSING,
     PAGE_LOOKUPS,
@@ -16,8 +16,6 @@ from pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention_reference,
     write_kv_pages_reference,
 )
-
-BACKENDS = ("pallas", "reference", "auto")
 
 
 def ragged_paged_attention_op(
@@ -43,21 +41,15 @@ def ragged_paged_attention_op(
     ``kernel_kwargs`` (block_q, block_n, num_splits, num_warps, num_stages, addressing,
     prologue, page_lookup) go to the kernel.
     """
-    if backend == "auto":
-        backend = "pallas" if jax.default_backend() == "gpu" else "reference"
-    if backend == "reference":
+    if _resolve(backend, "attention") == "reference":
         return ragged_paged_attention_reference(
             q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs,
             sm_scale=sm_scale, layer=layer, causal=causal,
         )
-    if backend == "pallas":
-        if interpret is None:
-            interpret = jax.default_backend() != "gpu"
-        return ragged_paged_attention(
-            q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs,
-            sm_scale=sm_scale, layer=layer, causal=causal, interpret=interpret, **kernel_kwargs,
-        )
-    raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+    return ragged_paged_attention(
+        q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs,
+        sm_scale=sm_scale, layer=layer, causal=causal, interpret=interpret_default(interpret), **kernel_kwargs,
+    )
 
 
 # The generic K/V write is the XLA scatter (in place on donated caches); the Qwen3 layer can
