@@ -27,9 +27,7 @@ Results: <out-dir>/kv_write_h200.json and .md.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -38,7 +36,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import copy_bandwidth, count_kernels, environment, write_results  # noqa: E402
+from benchmarks.common import copy_bandwidth, count_kernels, environment, time_chain, write_results  # noqa: E402
+from dspark_jax.layers.rotary import rope_cos_sin  # noqa: E402
 from pallas_kernels.kv_write import write_kv_from_qkv, write_kv_from_qkv_reference  # noqa: E402
 
 EPS = 1e-6
@@ -52,10 +51,7 @@ def log(*a):
 def make_inputs(rng, T, H, Hk, D, L, pages, page_size, dtype, pad=0):
     qkv = jnp.asarray(rng.standard_normal((T, (H + 2 * Hk) * D)) * 3, dtype)
     w = jnp.asarray(1 + 0.5 * rng.standard_normal((L, D)), dtype)
-    pos = rng.integers(0, 30000, T)
-    inv = 1.0 / (1e6 ** (np.arange(0, D, 2) / D))
-    emb = np.concatenate([pos[:, None] * inv[None]] * 2, -1)
-    cos, sin = jnp.asarray(np.cos(emb), jnp.float32), jnp.asarray(np.sin(emb), jnp.float32)
+    cos, sin = rope_cos_sin(jnp.asarray(rng.integers(0, 30000, T)), D, 1e6)
     real = rng.choice(np.arange(page_size, pages * page_size), T - pad, replace=False)
     slots = jnp.asarray(np.concatenate([real, rng.integers(0, page_size, pad)]), jnp.int32)
     shape = (L, pages, page_size, Hk, D)
@@ -112,18 +108,13 @@ def time_chain_of(fn, args, layer, n, reps):
         return jax.lax.fori_loop(0, n, body, (kp, vp))
 
     f = jax.jit(chain, donate_argnums=(0, 1))
-    state = list(args[:2])
-    rest = args[2:]
-    state[:] = f(*state, *rest)
-    jax.block_until_ready(state)
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(5):
-            state[:] = f(*state, *rest)
-        jax.block_until_ready(state)
-        ts.append((time.perf_counter() - t0) / (5 * n))
-    return statistics.median(ts) * 1e6
+    state, rest = list(args[:2]), args[2:]
+
+    def step():  # the donated caches come back as the next call's inputs
+        state[:] = f(*state, *rest)
+        return state
+
+    return time_chain(step, 5, warmup=1, reps=reps) / n * 1e6
 
 
 def main(argv=None):
