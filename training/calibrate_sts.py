@@ -87,29 +87,30 @@ def load_shards(paths: list[Path]) -> tuple[np.ndarray, np.ndarray]:
     return logits, np.concatenate([lb for _, lb in pairs])
 
 
+def _optional_rows(paths: list[Path], keys: tuple[str, ...], read) -> np.ndarray | None:
+    """``read(shard)`` of every shard, concatenated in ``load_shards`` row order; None unless every
+    shard holds all of ``keys`` (older shards carry only logits and labels)."""
+    parts = []
+    for path in paths:
+        with np.load(path) as shard:
+            if any(k not in shard.files for k in keys):
+                return None
+            parts.append(read(shard))
+    return np.concatenate(parts) if parts else None
+
+
 def load_groups(paths: list[Path]) -> np.ndarray | None:
     """Each row's group name (``group_names[group_ids]``, written by the recorder), in the row order
     of ``load_shards``; None unless every shard carries groups and some row has a non-empty name."""
-    names = []
-    for path in paths:
-        with np.load(path) as shard:
-            if "group_ids" not in shard.files or "group_names" not in shard.files:
-                return None
-            names.append(np.asarray(shard["group_names"]).astype(str)[shard["group_ids"]])
-    names = np.concatenate(names) if names else np.zeros(0, str)
-    return names if (names != "").any() else None
+    names = _optional_rows(paths, ("group_ids", "group_names"),
+                           lambda shard: np.asarray(shard["group_names"]).astype(str)[shard["group_ids"]])
+    return names if names is not None and (names != "").any() else None
 
 
 def load_final_rounds(paths: list[Path]) -> np.ndarray | None:
     """Each row's ``final_round`` flag (the request finished in that round), in ``load_shards``
     row order; None unless every shard carries the flag."""
-    flags = []
-    for path in paths:
-        with np.load(path) as shard:
-            if "final_round" not in shard.files:
-                return None
-            flags.append(np.asarray(shard["final_round"], bool))
-    return np.concatenate(flags) if flags else None
+    return _optional_rows(paths, ("final_round",), lambda shard: np.asarray(shard["final_round"], bool))
 
 
 def metrics_by_group(groups: np.ndarray, before: np.ndarray, after: np.ndarray, labels: np.ndarray,
