@@ -590,6 +590,17 @@ RATIO_ARMS = {
     "dec_waves1": (
         {"split_target_waves": 1.0}, {},
         "decode splits for one wave (one resident 128-token-tile program per SM); verify defaults"),
+    # Short-context decode (the batch-1 decode benchmark's ~160 tokens: 8 programs, one per kv
+    # head, two 128-token tiles each; ~6.5 us per layer in the step profile): shorter chains.
+    "dec_bn64_tok64": (
+        {"block_n": 64, "num_warps": 4, "num_stages": 3, "min_split_tokens": 64}, {},
+        "decode with 64-token tiles and splits of >= 64 tokens (more, shorter programs); verify defaults"),
+    "dec_bn256_s2": (
+        {"block_n": 256, "num_warps": 4, "num_stages": 2}, {},
+        "decode with 256-token tiles (one tile per program up to 256 tokens), 2 stages; verify defaults"),
+    "dec_s2": (
+        {"num_stages": 2}, {},
+        "decode defaults with 2 stages instead of 3"),
     "combo": (
         {"addressing": "flat", "prologue": "vector", "page_lookup": "carry", "block_n": 64,
          "num_warps": 4, "num_stages": 3},

@@ -44,6 +44,15 @@ def _f32(a):
     return np.asarray(jnp.asarray(a, jnp.float32))
 
 
+def _assert_rows_close(got, want, dtype, name=""):
+    """fp32: within 1e-6; bf16: within one rounding step, and at most 1% of elements differing."""
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=name)
+    else:
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2, err_msg=name)
+        assert np.mean(got != want) <= 0.01, name
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_reference_is_the_models_norm_rope_and_scatter(dtype):
     """Bit for bit the k/v the model computes (rms_norm, apply_rope, write_kv_pages_reference)."""
@@ -52,15 +61,22 @@ def test_reference_is_the_models_norm_rope_and_scatter(dtype):
     args = _case(rng, 7, H, Hk, D, dtype, layers=3)
     k_pages, v_pages, qkv, w, cos, sin, slots = args
 
+    qw = jnp.asarray(1 + 0.5 * rng.standard_normal(D), dtype)
+
     @jax.jit
     def model_path(k_pages, v_pages, qkv, w, cos, sin, slots):
-        _, k, v = split_qkv(qkv, H, Hk, D)
+        q, k, v = split_qkv(qkv, H, Hk, D)
         k = apply_rope(rms_norm(k, w, EPS), cos, sin)
-        return write_kv_pages_reference(k_pages, v_pages, k, v, slots, layer=jnp.int32(2))
+        q = apply_rope(rms_norm(q, qw, EPS), cos, sin)
+        return *write_kv_pages_reference(k_pages, v_pages, k, v, slots, layer=jnp.int32(2)), q
 
     want = model_path(*args)
-    got = _reference(*args, num_q_heads=H, eps=EPS, layer=2)
+    got = _reference(*args, num_q_heads=H, eps=EPS, layer=2, q_norm_weight=qw)
+    assert len(got) == 3
     for g, e in zip(got, want):
+        np.testing.assert_array_equal(_f32(g), _f32(e))
+    # without q_norm_weight: the caches alone, the same ones
+    for g, e in zip(_reference(*args, num_q_heads=H, eps=EPS, layer=2), want[:2], strict=True):
         np.testing.assert_array_equal(_f32(g), _f32(e))
 
 
@@ -69,15 +85,23 @@ def test_reference_vs_float64_hand_computation():
     H, Hk, D, T = 2, 1, 8, 3
     k_pages, v_pages, qkv, w, cos, sin, slots = _case(rng, T, H, Hk, D, jnp.float32, pages=3, page_size=2)
     k_pages = jnp.zeros_like(k_pages)
-    kc, vc = write_kv_from_qkv_reference(k_pages, v_pages, qkv, w, cos, sin, slots, num_q_heads=H, eps=EPS)
+    qw = w[::-1]
+    kc, vc, q = write_kv_from_qkv_reference(k_pages, v_pages, qkv, w, cos, sin, slots, num_q_heads=H, eps=EPS,
+                                            q_norm_weight=qw)
     x = np.asarray(qkv, np.float64)
+
+    def norm_rope(row, weight, t):
+        row = np.asarray(weight, np.float64) * row / np.sqrt(np.mean(row * row) + EPS)
+        rot = np.concatenate([-row[D // 2:], row[:D // 2]])
+        return row * np.asarray(cos[t], np.float64) + rot * np.asarray(sin[t], np.float64)
+
     for t in range(T):
-        k = x[t, H * D:(H + 1) * D]
-        k = np.asarray(w, np.float64) * k / np.sqrt(np.mean(k * k) + EPS)
-        rot = np.concatenate([-k[D // 2:], k[:D // 2]])
-        k = k * np.asarray(cos[t], np.float64) + rot * np.asarray(sin[t], np.float64)
         page, off = divmod(int(slots[t]), 2)
-        np.testing.assert_allclose(np.asarray(kc[page, off, 0]), k, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(kc[page, off, 0]), norm_rope(x[t, H * D:(H + 1) * D], w, t),
+                                   rtol=1e-5, atol=1e-5)
+        for hq in range(H):
+            np.testing.assert_allclose(np.asarray(q[t, hq]), norm_rope(x[t, hq * D:(hq + 1) * D], qw, t),
+                                       rtol=1e-5, atol=1e-5)
         np.testing.assert_array_equal(np.asarray(vc[page, off, 0]), x[t, (H + 1) * D:].astype(np.float32))
 
 
@@ -96,10 +120,21 @@ def _cases():
 @pytest.mark.parametrize("T,H,Hk,D,dtype,layers,pad", _cases())
 def test_kernel_matches_reference(T, H, Hk, D, dtype, layers, pad):
     rng = np.random.default_rng(T * 31 + D)
-    args = _case(rng, T, H, Hk, D, dtype, layers=layers, pad=pad)
+    args = list(_case(rng, T, H, Hk, D, dtype, layers=layers, pad=pad))
     layer = None if layers is None else layers - 1
-    want = _reference(*args, num_q_heads=H, eps=EPS, layer=layer)
-    got = write_kv_from_qkv(*args, num_q_heads=H, eps=EPS, layer=layer, interpret=True)
+    w = args[3]
+    qw = jnp.asarray(1 + 0.5 * rng.standard_normal(w.shape[-1]), dtype)
+    if layers:  # the stacked weights of all layers, as the model passes them
+        args[3] = jnp.asarray(1 + 0.5 * rng.standard_normal((layers, D)), dtype).at[layer].set(w)
+        qw = jnp.asarray(1 + 0.5 * rng.standard_normal((layers, D)), dtype)
+    want = _reference(*args, num_q_heads=H, eps=EPS, layer=layer, q_norm_weight=qw)
+    got = write_kv_from_qkv(*args, num_q_heads=H, eps=EPS, layer=layer, q_norm_weight=qw, interpret=True)
+    assert got[2].shape == (T, H, D) and got[2].dtype == dtype
+    _assert_rows_close(_f32(got[2]), _f32(want[2]), dtype)
+    # without q: the same caches
+    for g, e in zip(write_kv_from_qkv(*args, num_q_heads=H, eps=EPS, layer=layer, interpret=True), got[:2],
+                    strict=True):
+        np.testing.assert_array_equal(_f32(g), _f32(e))
     for name, g, e, before in zip("kv", got, want, args[:2]):
         g, e = _f32(g), _f32(e)
         assert g.shape == e.shape and g.dtype == e.dtype
@@ -107,11 +142,7 @@ def test_kernel_matches_reference(T, H, Hk, D, dtype, layers, pad):
         # included) is untouched; sentinel page 0 only ever receives padding rows
         written = ~np.isnan(e) if name == "k" else np.ones_like(e, bool)
         np.testing.assert_array_equal(np.isnan(g), np.isnan(e), err_msg=name)
-        if dtype == jnp.float32:
-            np.testing.assert_allclose(g[written], e[written], rtol=1e-6, atol=1e-6, err_msg=name)
-        else:
-            np.testing.assert_allclose(g[written], e[written], rtol=2e-2, atol=2e-2, err_msg=name)
-            assert np.mean(g[written] != e[written]) <= 0.01, name
+        _assert_rows_close(g[written], e[written], dtype, name)
         if name == "v":
             changed = np.any(g != _f32(before), axis=(-2, -1))
             assert changed.sum() <= T
@@ -156,6 +187,11 @@ def test_bad_inputs_are_clear_errors():
         write_kv_from_qkv(k_pages, v_pages, qkv[:, :-16], w, cos, sin, slots, **kw)
     with pytest.raises(ValueError, match="k_norm_weight"):
         write_kv_from_qkv(k_pages, v_pages, qkv, w[:8], cos, sin, slots, **kw)
+    with pytest.raises(ValueError, match="q_norm_weight"):
+        write_kv_from_qkv(k_pages, v_pages, qkv, w, cos, sin, slots, q_norm_weight=w[:8], **kw)
+    with pytest.raises(ValueError, match="q_norm_weight"):
+        write_kv_from_qkv_reference(k_pages, v_pages, qkv, w, cos, sin, slots, num_q_heads=4, eps=EPS,
+                                    q_norm_weight=w[:8])
     with pytest.raises(ValueError, match="cos"):
         write_kv_from_qkv(k_pages, v_pages, qkv, w, cos[:2], sin, slots, **kw)
     with pytest.raises(ValueError, match="page shapes"):
@@ -170,19 +206,21 @@ def test_tile_shapes_and_triton_lowering():
     weights, traced layer) and for masked kv heads."""
     for Hk in (1, 2, 3, 5, 8):
         for D in (16, 64, 128, 256):
-            for name, shape in tile_shapes(Hk, D).items():
+            for name, shape in tile_shapes(Hk, D, num_q_heads=3 * Hk).items():
                 assert all(s >= 1 and s & (s - 1) == 0 for s in shape), (name, shape)
     sd = jax.ShapeDtypeStruct
-    for T, H, Hk, D, L in ((1, 32, 8, 128, 36), (512, 32, 8, 128, 36), (7, 12, 3, 64, None)):
+    for T, H, Hk, D, L, with_q in ((1, 32, 8, 128, 36, True), (512, 32, 8, 128, 36, True),
+                                   (1, 32, 8, 128, 36, False), (7, 12, 3, 64, None, True)):
         cache = sd(((L,) if L else ()) + (64, 16, Hk, D), jnp.bfloat16)
+        weight = sd((L, D) if L else (D,), jnp.bfloat16)
 
-        def f(kp, vp, qkv, w, cos, sin, slots, layer):
+        def f(kp, vp, qkv, w, cos, sin, slots, layer, qw):
             return write_kv_from_qkv(kp, vp, qkv, w, cos, sin, slots, num_q_heads=H, eps=EPS,
-                                     layer=layer if L else None)
+                                     layer=layer if L else None, q_norm_weight=qw if with_q else None)
 
-        text = cuda_lowering_text(f, cache, cache, sd((T, (H + 2 * Hk) * D), jnp.bfloat16),
-                                  sd((L, D) if L else (D,), jnp.bfloat16), sd((T, D), jnp.float32), sd((T, D), jnp.float32),
-                                  sd((T,), jnp.int32), sd((), jnp.int32))
+        text = cuda_lowering_text(f, cache, cache, sd((T, (H + 2 * Hk) * D), jnp.bfloat16), weight,
+                                  sd((T, D), jnp.float32), sd((T, D), jnp.float32), sd((T,), jnp.int32),
+                                  sd((), jnp.int32), weight)
         assert "triton" in text and f"grid_x = {T}" in text
 
 

@@ -96,21 +96,23 @@ class Qwen3Attention(nnx.Module):
         return qk[..., :H, :], qk[..., H:, :], qkv[..., (H + Hk) * D :].reshape(*lead, Hk, D)
 
     def __call__(self, x, cos, sin, cache: KVCache, batch: ForwardBatch, layer, *, backend: str,
-                 kv_write_backend: str = "reference", k_norm_stack: jax.Array | None = None):
-        """kv_write_backend "pallas": one kernel norms and rotates k and writes k and v into the
-        cache straight from the qkv projection (pallas_kernels/kv_write), reading this layer's
-        k-norm weight from ``k_norm_stack`` ([L, D], all layers) when given; "reference": XLA."""
+                 kv_write_backend: str = "reference", qk_norm_stacks: tuple[jax.Array, jax.Array] | None = None):
+        """kv_write_backend "pallas": one kernel norms and rotates q and k and writes k and v into
+        the cache straight from the qkv projection (pallas_kernels/kv_write), reading this
+        layer's norm weights from ``qk_norm_stacks`` (q_norm's and k_norm's [L, D] stacks over
+        all layers) when given; "reference": XLA."""
         T = x.shape[0]
         H, D = self.num_heads, self.head_dim
         if resolve_kv_write_backend(kv_write_backend, D) == "reference":
             q, k, v = self._qkv(x, cos, sin)
             out, kc, vc = paged_attention(q, k, v, cache.k, cache.v, batch, layer, sm_scale=D**-0.5, backend=backend)
             return self.o_proj(out.reshape(T, -1)), KVCache(kc, vc)
-        qkv = self.qkv_proj(x)
-        q = apply_rope(rms_norm(qkv[:, : H * D].reshape(T, H, D), self.q_norm.weight[...], self.q_norm.eps), cos, sin)
-        weight = self.k_norm.weight[...] if k_norm_stack is None else k_norm_stack
-        kc, vc = write_kv_from_qkv_op(cache.k, cache.v, qkv, weight, cos, sin, batch.slot_mapping, num_q_heads=H,
-                                      eps=self.k_norm.eps, layer=layer, backend="pallas")
+        if self.q_norm.eps != self.k_norm.eps:
+            raise ValueError("the kv write kernel takes one eps for the q and k norms")
+        qw, kw = (self.q_norm.weight[...], self.k_norm.weight[...]) if qk_norm_stacks is None else qk_norm_stacks
+        kc, vc, q = write_kv_from_qkv_op(cache.k, cache.v, self.qkv_proj(x), kw, cos, sin, batch.slot_mapping,
+                                         num_q_heads=H, eps=self.k_norm.eps, layer=layer, q_norm_weight=qw,
+                                         backend="pallas")
         out = attend_paged(q, kc, vc, batch, layer, sm_scale=D**-0.5, backend=backend)
         return self.o_proj(out.reshape(T, -1)), KVCache(kc, vc)
 
@@ -143,18 +145,18 @@ class Qwen3DecoderLayer(nnx.Module):
 
     def __call__(
         self, x, delta, cos, sin, cache, batch, layer, *, backend: str, norm_backend: str = "reference",
-        norm_stacks=None, kv_write_backend: str = "reference", k_norm_stack=None,
+        norm_stacks=None, kv_write_backend: str = "reference", qk_norm_stacks=None,
     ):
         """x: the residual stream before the previous layer's MLP output ``delta`` is added (zeros
         for the first layer).  Returns (x, this layer's MLP output, cache): each residual add is
         done by the norm that reads it (``add_rms_norm``), so it can be one fused kernel.
-        norm_stacks / k_norm_stack: None, or the [L, d] weight stacks of (input_layernorm,
-        post_attention_layernorm) / the [L, D] stack of k_norm over all layers, for the Pallas
-        kernels to index with ``layer``."""
+        norm_stacks / qk_norm_stacks: None, or the [L, d] weight stacks of (input_layernorm,
+        post_attention_layernorm) / the [L, D] stacks of (q_norm, k_norm) over all layers, for
+        the Pallas kernels to index with ``layer``."""
         stacks = (None, None) if norm_stacks is None else [(w, layer) for w in norm_stacks]
         h, x = add_rms_norm(self.input_layernorm, delta, x, norm_backend, stacks[0])
         attn, cache = self.self_attn(h, cos, sin, cache, batch, layer, backend=backend,
-                                     kv_write_backend=kv_write_backend, k_norm_stack=k_norm_stack)
+                                     kv_write_backend=kv_write_backend, qk_norm_stacks=qk_norm_stacks)
         h, x = add_rms_norm(self.post_attention_layernorm, attn, x, norm_backend, stacks[1])
         return x, self.mlp(h), cache
 
@@ -217,7 +219,7 @@ class Qwen3ForCausalLM(nnx.Module):
         """scan_layers=False unrolls the layer loop (static weight slices): a larger program that
         XLA may schedule better for latency-bound decode; the result is identical.
         norm_backend: how each residual add + RMSNorm runs (``add_rms_norm``); kv_write_backend:
-        how k is normed and rotated and k / v written into the cache (``Qwen3Attention``)."""
+        how q and k are normed and rotated and k / v written into the cache (``Qwen3Attention``)."""
         if norm_backend not in NORM_BACKENDS:
             raise ValueError(f"norm_backend must be one of {NORM_BACKENDS}, got {norm_backend!r}")
         if kv_write_backend not in KV_WRITE_BACKENDS:
@@ -244,9 +246,10 @@ class Qwen3ForCausalLM(nnx.Module):
         norm_stacks = None
         if resolve_norm_backend(norm_backend, cfg.hidden_size) == "pallas":
             norm_stacks = (self.layers.input_layernorm.weight[...], self.layers.post_attention_layernorm.weight[...])
-        k_norm_stack = None
+        qk_norm_stacks = None
         if resolve_kv_write_backend(kv_write_backend, cfg.head_dim) == "pallas":
-            k_norm_stack = self.layers.self_attn.k_norm.weight[...]
+            attn = self.layers.self_attn
+            qk_norm_stacks = (attn.q_norm.weight[...], attn.k_norm.weight[...])
 
         def body(carry, xs):
             h, delta, kc, vc, taps = carry
@@ -254,7 +257,7 @@ class Qwen3ForCausalLM(nnx.Module):
             h, delta, cache_l = nnx.merge(layer_def, state)(h, delta, cos, sin, KVCache(kc, vc), batch, layer,
                                                             backend=backend, norm_backend=norm_backend,
                                                             norm_stacks=norm_stacks, kv_write_backend=kv_write_backend,
-                                                            k_norm_stack=k_norm_stack)
+                                                            qk_norm_stacks=qk_norm_stacks)
             if len(tap_layers):
                 slot = tap_slot[layer]
                 s = jnp.maximum(slot, 0)

@@ -8,17 +8,20 @@ norm and rope, and for k and for v a select -- the norm and rope fused into the 
 the one-row scatter -- plus a dynamic update slice; benchmarks/results/
 decode_profile_qwen3-8b_bs1_pallas_fusednorm_194fac9.md), each ~1-2.5 us plus a launch gap.
 This kernel reads the k and v columns of the qkv row itself, norms and rotates k, and stores
-both into their cache slot: the four k / v kernels become one, and q's two remain.
+both into their cache slot: the four k / v kernels become one.  Given q's norm weight it also
+norms and rotates q (the attention's query, a [T, Hq, D] output), which takes q's two kernels
+out too (the first GPU profile with the k / v part alone, decode_profile_qwen3-8b_bs1_pallas
+_kvwrite_2847a47.md, still showed them at ~2.5 us per layer).
 
 Design:
 
-* Grid ``(T,)``: program ``t`` owns token ``t``'s ``[Hkv, D]`` k and v tiles (kv heads padded
-  to a power of two and masked; ``D`` must be a power of two).  No BlockSpecs: every input is a
+* Grid ``(T,)``: program ``t`` owns token ``t``'s ``[Hkv, D]`` k and v tiles and its
+  ``[Hq, D]`` q tile (heads padded to a power of two and masked; ``D`` must be a power of two).  No BlockSpecs: every input is a
   whole array indexed in-kernel (like the attention kernel), so the caches can stay stacked
-  ``[L, N, page_size, Hkv, D]`` and be indexed with the layer scalar, the k-norm weight can be
-  the ``[L, D]`` stack of all layers (XLA copies a layer slice handed to a custom call into a
+  ``[L, N, page_size, Hkv, D]`` and be indexed with the layer scalar, the norm weights can be
+  the ``[L, D]`` stacks of all layers (XLA copies a layer slice handed to a custom call into a
   buffer of its own first), and no slice of the qkv row is ever copied out for the call.
-* rotate_half without a shuffle: the kernel loads the k row a second time at the permuted
+* rotate_half without a shuffle: the kernel loads a head row a second time at the permuted
   columns ``(d + D/2) mod D`` (and the weight likewise) and applies the sign, which gives
   exactly the reference's ``concat(-x[D/2:], x[:D/2])`` after the per-head norm (the rsqrt
   factor is per head, so it applies to both loads).
@@ -48,47 +51,60 @@ def kernel_supports(head_dim: int) -> bool:
     return head_dim >= 2 and head_dim & (head_dim - 1) == 0
 
 
-def tile_shapes(num_kv_heads: int, head_dim: int) -> dict[str, tuple[int, ...]]:
-    """Every tensor shape the GPU path builds (all must be powers of two)."""
+def tile_shapes(num_kv_heads: int, head_dim: int, num_q_heads: int | None = None) -> dict[str, tuple[int, ...]]:
+    """Every tensor shape the GPU path builds (all must be powers of two); "q" with q heads."""
     hp = _next_pow2(num_kv_heads)
-    return {"k": (hp, head_dim), "v": (hp, head_dim), "weight": (head_dim,), "cos": (1, head_dim)}
+    shapes = {"k": (hp, head_dim), "v": (hp, head_dim), "weight": (head_dim,), "cos": (1, head_dim)}
+    if num_q_heads is not None:
+        shapes["q"] = (_next_pow2(num_q_heads), head_dim)
+    return shapes
 
 
-def _kernel(layer_ref, slot_ref, qkv_ref, w_ref, cos_ref, sin_ref, _k_in, _v_in, k_ref, v_ref, *,
-            num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, eps: float,
+def _kernel(layer_ref, slot_ref, qkv_ref, w_ref, qw_ref, cos_ref, sin_ref, _k_in, _v_in, k_ref, v_ref, q_ref=None,
+            *, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, eps: float,
             stacked: bool, weight_stacked: bool):
     H, Hk, D = num_q_heads, num_kv_heads, head_dim
-    HP, half = _next_pow2(Hk), D // 2
+    half = D // 2
     t = pl.program_id(0)
-    h = lax.iota(jnp.int32, HP)[:, None]
     d = lax.iota(jnp.int32, D)[None, :]
     d_rot = jnp.where(d < half, d + half, d - half)  # column feeding rotate_half at column d
     sign = jnp.where(d < half, -1.0, 1.0).astype(jnp.float32)
-    mask = None if HP == Hk else jnp.broadcast_to(h < Hk, (HP, D))
-
-    def load(ref, idx):
-        if mask is None:
-            return pltriton.load(ref.at[idx])
-        return pltriton.load(ref.at[idx], mask=mask, other=0)
-
-    k_col = H * D + h * D
-    k = load(qkv_ref, (t, k_col + d))
-    k_rot = load(qkv_ref, (t, k_col + d_rot))
-    v = load(qkv_ref, (t, (H + Hk) * D + h * D + d))
     w_idx = (layer_ref[0],) if weight_stacked else ()
-    w = pltriton.load(w_ref.at[(*w_idx, d[0])])[None, :]
-    w_rot = pltriton.load(w_ref.at[(*w_idx, d_rot[0])])[None, :]
     cos = pltriton.load(cos_ref.at[t, d[0]])[None, :]
     sin = pltriton.load(sin_ref.at[t, d[0]])[None, :]
 
-    kf = k.astype(jnp.float32)
-    # mean over D as sum * (1 / D): exact, D is a power of two
-    r = lax.rsqrt(jnp.sum(kf * kf, axis=1, keepdims=True) * (1.0 / D) + eps)
-    normed = w * (kf * r).astype(k.dtype)
-    normed_rot = w_rot * (k_rot.astype(jnp.float32) * r).astype(k.dtype)
-    rotated = normed_rot.astype(jnp.float32) * sign
-    k_out = (normed.astype(jnp.float32) * cos + rotated * sin).astype(normed.dtype)
+    def heads(first_col, n):
+        """Row t's n heads starting at column first_col: (column index [HP, D] of column d,
+        head mask or None, loader)."""
+        hp = _next_pow2(n)
+        h = lax.iota(jnp.int32, hp)[:, None]
+        mask = None if hp == n else jnp.broadcast_to(h < n, (hp, D))
 
+        def load(cols):
+            if mask is None:
+                return pltriton.load(qkv_ref.at[t, first_col + h * D + cols])
+            return pltriton.load(qkv_ref.at[t, first_col + h * D + cols], mask=mask, other=0)
+
+        return h, mask, load
+
+    def norm_rope(load, wref):
+        # rms_norm then rope, op for op the reference's; rotate_half reads the row a second
+        # time at the permuted columns (the per-head rsqrt factor applies to both loads)
+        x, x_rot = load(d), load(d_rot)
+        w = pltriton.load(wref.at[(*w_idx, d[0])])[None, :]
+        w_rot = pltriton.load(wref.at[(*w_idx, d_rot[0])])[None, :]
+        xf = x.astype(jnp.float32)
+        # mean over D as sum * (1 / D): exact, D is a power of two
+        r = lax.rsqrt(jnp.sum(xf * xf, axis=1, keepdims=True) * (1.0 / D) + eps)
+        normed = w * (xf * r).astype(x.dtype)
+        normed_rot = w_rot * (x_rot.astype(jnp.float32) * r).astype(x.dtype)
+        rotated = normed_rot.astype(jnp.float32) * sign
+        return (normed.astype(jnp.float32) * cos + rotated * sin).astype(normed.dtype)
+
+    h, mask, load_k = heads(H * D, Hk)
+    k_out = norm_rope(load_k, w_ref)
+    _, _, load_v = heads((H + Hk) * D, Hk)
+    v = load_v(d)
     slot = slot_ref[t]
     page, off = slot // page_size, lax.rem(slot, page_size)
     idx = (page, off, h, d)
@@ -96,6 +112,9 @@ def _kernel(layer_ref, slot_ref, qkv_ref, w_ref, cos_ref, sin_ref, _k_in, _v_in,
         idx = (layer_ref[0], *idx)
     pltriton.store(k_ref.at[idx], k_out.astype(k_ref.dtype), mask=mask)
     pltriton.store(v_ref.at[idx], v.astype(v_ref.dtype), mask=mask)
+    if q_ref is not None:
+        hq, q_mask, load_q = heads(0, H)
+        pltriton.store(q_ref.at[t, hq, d], norm_rope(load_q, qw_ref).astype(q_ref.dtype), mask=q_mask)
 
 
 @functools.partial(jax.jit, static_argnames=("num_q_heads", "eps", "interpret"))
@@ -111,9 +130,11 @@ def write_kv_from_qkv(
     num_q_heads: int,
     eps: float,
     layer: jax.Array | int | None = None,
+    q_norm_weight: jax.Array | None = None,
     interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
-    """Pallas (Triton backend) version of ``write_kv_from_qkv_reference``: same arguments."""
+):
+    """Pallas (Triton backend) version of ``write_kv_from_qkv_reference``: same arguments, same
+    results (``(k_pages, v_pages)``, plus q with ``q_norm_weight``)."""
     stacked = layer is not None
     if k_pages.shape != v_pages.shape or k_pages.ndim != (5 if stacked else 4):
         raise ValueError(f"bad k/v page shapes {k_pages.shape} {v_pages.shape} (layer={layer})")
@@ -124,35 +145,38 @@ def write_kv_from_qkv(
     if qkv.ndim != 2 or qkv.shape[1] != (num_q_heads + 2 * Hk) * D:
         raise ValueError(f"qkv {qkv.shape} must be [T, (Hq + 2 Hkv) * D] = [T, {(num_q_heads + 2 * Hk) * D}]")
     weight_stacked = k_norm_weight.ndim == 2
-    if not (k_norm_weight.shape == (D,) or (stacked and weight_stacked and k_norm_weight.shape[1] == D)):
-        raise ValueError(f"k_norm_weight {k_norm_weight.shape} must be [{D}] (or a stack [L, {D}] with layer)")
+    for name, w in (("k_norm_weight", k_norm_weight), ("q_norm_weight", q_norm_weight)):
+        if w is not None and not (w.shape == (D,) if not weight_stacked
+                                  else (stacked and w.ndim == 2 and w.shape[1] == D)):
+            raise ValueError(f"{name} {w.shape} must be [{D}] (or, with layer, a stack [L, {D}] like k_norm_weight)")
     if cos.shape != (T, D) or sin.shape != (T, D):
         raise ValueError(f"cos {cos.shape} / sin {sin.shape} must be [T, D] = [{T}, {D}]")
     if slot_mapping.shape != (T,):
         raise ValueError(f"slot_mapping {slot_mapping.shape} must be [{T}]")
+    with_q = q_norm_weight is not None
+    q_shape = jax.ShapeDtypeStruct((T, num_q_heads, D), qkv.dtype)
     if T == 0:
-        return k_pages, v_pages
+        return (k_pages, v_pages, jnp.zeros(q_shape.shape, q_shape.dtype)) if with_q else (k_pages, v_pages)
     layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     kernel = functools.partial(
         _kernel, num_q_heads=num_q_heads, num_kv_heads=Hk, head_dim=D, page_size=page_size,
         eps=float(eps), stacked=stacked, weight_stacked=weight_stacked,
     )
+    out_shape = [jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype), jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)]
     return pl.pallas_call(
         kernel,
-        out_shape=(
-            jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-            jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype),
-        ),
+        out_shape=tuple(out_shape + [q_shape] * with_q),
         grid=(T,),
-        input_output_aliases={6: 0, 7: 1},
+        input_output_aliases={7: 0, 8: 1},
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
-        name=f"write_kv_from_qkv_h{Hk}_d{D}",
+        name=f"write_kv_from_qkv_h{Hk}_d{D}" + (f"_q{num_q_heads}" if with_q else ""),
     )(
         layer_arr,
         slot_mapping.astype(jnp.int32),
         qkv,
         k_norm_weight,
+        k_norm_weight if q_norm_weight is None else q_norm_weight,  # unread without q
         cos.astype(jnp.float32),
         sin.astype(jnp.float32),
         k_pages,

@@ -5,10 +5,12 @@ A Qwen3 attention layer turns its qkv projection row into cache entries as::
     k = rope(rms_norm(qkv[:, k columns], k_norm_weight), cos, sin)   # per kv head
     v = qkv[:, v columns]
     cache[slot] = (k, v)                                              # slot = page * page_size + off
+    q = rope(rms_norm(qkv[:, q columns], q_norm_weight), cos, sin)   # optional: the query
 
 Left to XLA, the k norm + rope + scatter (a select and a dynamic update slice at one row) and
 the v scatter (the same pair) are four launch-bound kernels per layer at batch-1 decode, beside
-the norm reduction k shares with q.  The Pallas kernel beside this file does all of it in one launch.
+the norm reduction k shares with q, and q's norm + rope are two more.  The Pallas kernel beside
+this file does all of it in one launch.
 
 Semantics, op for op those of ``dspark_jax.layers.norm.rms_norm`` and
 ``dspark_jax.layers.rotary.apply_rope`` (repeated here so ``pallas_kernels`` does not import
@@ -22,7 +24,8 @@ Semantics, op for op those of ``dspark_jax.layers.norm.rms_norm`` and
   the reserved sentinel page 0 (tier padding) write only there.
 
 Shapes: ``qkv [T, (Hq + 2 Hkv) D]`` (q columns first, then k, then v, each head-major);
-``k_norm_weight [D]`` (or the ``[L, D]`` stack of all layers' weights when ``layer`` is given);
+``k_norm_weight`` and ``q_norm_weight`` ``[D]`` (or the ``[L, D]`` stacks of all layers'
+weights when ``layer`` is given); q comes back ``[T, Hq, D]`` in the qkv dtype;
 ``cos``, ``sin`` ``[T, D]`` fp32; caches ``[N, page_size, Hkv, D]`` or
 stacked ``[L, N, page_size, Hkv, D]`` with ``layer`` (an int32 scalar in ``[0, L)``);
 ``slot_mapping [T]`` int32.
@@ -58,26 +61,40 @@ def write_kv_from_qkv_reference(
     num_q_heads: int,
     eps: float,
     layer: jax.Array | int | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Returns the updated ``(k_pages, v_pages)``; with the caches donated XLA updates in place."""
+    q_norm_weight: jax.Array | None = None,
+):
+    """Returns the updated ``(k_pages, v_pages)``; with the caches donated XLA updates in place.
+    With ``q_norm_weight`` (shaped like ``k_norm_weight``) also q, normed and rotated the same
+    way: ``(k_pages, v_pages, q [T, Hq, D])``, the attention's query."""
     Hk, D = k_pages.shape[-2], k_pages.shape[-1]
-    _, k, v = split_qkv(qkv, num_q_heads, Hk, D)
-    if layer is not None and k_norm_weight.ndim == 2:
-        k_norm_weight = k_norm_weight[layer]  # a stack [L, D] of the layers' weights
-    if k_norm_weight.shape != (D,):
-        raise ValueError(f"k_norm_weight {k_norm_weight.shape} must be [{D}] (or a stack [L, {D}] with layer)")
+    q, k, v = split_qkv(qkv, num_q_heads, Hk, D)
     if cos.shape != (qkv.shape[0], D) or sin.shape != cos.shape:
         raise ValueError(f"cos {cos.shape} / sin {sin.shape} must be [T, D] = [{qkv.shape[0]}, {D}]")
-    kf = k.astype(jnp.float32)
-    kf = kf * jax.lax.rsqrt(jnp.mean(kf * kf, axis=-1, keepdims=True) + eps)
-    k = k_norm_weight * kf.astype(k.dtype)
-    half = D // 2
-    kf = k.astype(jnp.float32)
-    rotated = jnp.concatenate([-kf[..., half:], kf[..., :half]], axis=-1)
-    k = (kf * cos[:, None, :] + rotated * sin[:, None, :]).astype(k.dtype)
+    k = _norm_rope(k, _layer_weight(k_norm_weight, layer, D, "k_norm_weight"), cos, sin, eps)
     page_size = k_pages.shape[-3]
     page, off = slot_mapping // page_size, slot_mapping % page_size
     idx = (page, off) if layer is None else (jnp.reshape(layer, ()).astype(jnp.int32), page, off)
     k_pages = k_pages.at[idx].set(k.astype(k_pages.dtype), mode="promise_in_bounds")
     v_pages = v_pages.at[idx].set(v.astype(v_pages.dtype), mode="promise_in_bounds")
-    return k_pages, v_pages
+    if q_norm_weight is None:
+        return k_pages, v_pages
+    return k_pages, v_pages, _norm_rope(q, _layer_weight(q_norm_weight, layer, D, "q_norm_weight"), cos, sin, eps)
+
+
+def _layer_weight(weight, layer, D, name):
+    if layer is not None and weight.ndim == 2:
+        weight = weight[layer]  # a stack [L, D] of the layers' weights
+    if weight.shape != (D,):
+        raise ValueError(f"{name} {weight.shape} must be [{D}] (or a stack [L, {D}] with layer)")
+    return weight
+
+
+def _norm_rope(x, weight, cos, sin, eps):
+    """x [T, heads, D]: rms_norm with ``weight`` then rope (rotate-half), as the model does."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    x = weight * xf.astype(x.dtype)
+    half = x.shape[-1] // 2
+    xf = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
