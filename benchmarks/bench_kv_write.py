@@ -116,11 +116,15 @@ def run_check(rng, interpret, smoke) -> list[dict]:
 
 
 def time_chain_of(fn, args, layer, n, reps):
-    """us per call: a jit of n chained writes (caches carried), executables dispatched back to back."""
+    """us per call: a jit of n chained writes (caches carried), executables dispatched back to
+    back.  The chain is unrolled in Python, as the model's decode step is: timed inside an XLA
+    while loop, the first H200 run (69bf0e8) gave the kernel 8-17 us per call against 4 us in
+    the decode step's profile, and XLA 7-12 us, loop overhead rather than either write."""
     def chain(kp, vp, q, *rest):
-        def body(_, c):  # q is carried so that it stays live (XLA would drop an unused q)
-            return fn(*c[:2], *rest, layer)
-        return jax.lax.fori_loop(0, n, body, (kp, vp, q))
+        c = (kp, vp, q)  # q is carried so that it stays live (XLA would drop an unused q)
+        for _ in range(n):
+            c = fn(*c[:2], *rest, layer)
+        return c
 
     f = jax.jit(chain, donate_argnums=(0, 1, 2))
     T, H, D = args[2].shape[0], args[2].shape[1] // args[0].shape[-1] - 2 * args[0].shape[-2], args[0].shape[-1]

@@ -15,8 +15,12 @@ _kvwrite_2847a47.md, still showed them at ~2.5 us per layer).
 
 Design:
 
-* Grid ``(T,)``: program ``t`` owns token ``t``'s ``[Hkv, D]`` k and v tiles and its
-  ``[Hq, D]`` q tile (heads padded to a power of two and masked; ``D`` must be a power of two).  No BlockSpecs: every input is a
+* Grid ``(T, 1)``, or ``(T, 1 + n_q)`` with q: program ``(t, n_q)`` owns token ``t``'s
+  ``[Hkv, D]`` k and v tiles, programs ``(t, j < n_q)`` each a tile of q heads as large as the
+  kv tile (heads padded to a power of two and masked; ``D`` must be a power of two).  One
+  program doing all 32 q heads of the 8B shape made the launch 4.1 us against 2.4 us for k / v
+  alone (decode_profile_qwen3-8b_bs1_pallas_fused_69bf0e8.md): a batch-1 program is a latency
+  chain, so the q work goes to programs of its own that run beside it.  No BlockSpecs: every input is a
   whole array indexed in-kernel (like the attention kernel), so the caches can stay stacked
   ``[L, N, page_size, Hkv, D]`` and be indexed with the layer scalar, the norm weights can be
   the ``[L, D]`` stacks of all layers (XLA copies a layer slice handed to a custom call into a
@@ -56,8 +60,14 @@ def tile_shapes(num_kv_heads: int, head_dim: int, num_q_heads: int | None = None
     hp = _next_pow2(num_kv_heads)
     shapes = {"k": (hp, head_dim), "v": (hp, head_dim), "weight": (head_dim,), "cos": (1, head_dim)}
     if num_q_heads is not None:
-        shapes["q"] = (_next_pow2(num_q_heads), head_dim)
+        shapes["q"] = (_q_tile(num_q_heads, num_kv_heads), head_dim)
     return shapes
+
+
+def _q_tile(num_q_heads: int, num_kv_heads: int) -> int:
+    """q heads per program: as many as the k / v program's kv heads (so every program of a
+    token does about the same work), at most all q heads."""
+    return min(_next_pow2(num_q_heads), _next_pow2(num_kv_heads))
 
 
 def _kernel(layer_ref, slot_ref, qkv_ref, w_ref, qw_ref, cos_ref, sin_ref, _k_in, _v_in, k_ref, v_ref, q_ref=None,
@@ -73,12 +83,13 @@ def _kernel(layer_ref, slot_ref, qkv_ref, w_ref, qw_ref, cos_ref, sin_ref, _k_in
     cos = pltriton.load(cos_ref.at[t, d[0]])[None, :]
     sin = pltriton.load(sin_ref.at[t, d[0]])[None, :]
 
-    def heads(first_col, n):
-        """Row t's n heads starting at column first_col: (column index [HP, D] of column d,
-        head mask or None, loader)."""
-        hp = _next_pow2(n)
-        h = lax.iota(jnp.int32, hp)[:, None]
-        mask = None if hp == n else jnp.broadcast_to(h < n, (hp, D))
+    def heads(first_col, n, tile=None, first_head=0):
+        """Row t's heads [first_head, n) from column first_col, a tile of ``tile`` (default:
+        n padded to a power of two) of them: (head index [tile, 1], mask or None, loader)."""
+        hp = _next_pow2(n) if tile is None else tile
+        exact = hp == n if tile is None else n % tile == 0  # no tile reaches past head n - 1
+        h = first_head + lax.iota(jnp.int32, hp)[:, None]
+        mask = None if exact else jnp.broadcast_to(h < n, (hp, D))
 
         def load(cols):
             if mask is None:
@@ -101,19 +112,31 @@ def _kernel(layer_ref, slot_ref, qkv_ref, w_ref, qw_ref, cos_ref, sin_ref, _k_in
         rotated = normed_rot.astype(jnp.float32) * sign
         return (normed.astype(jnp.float32) * cos + rotated * sin).astype(normed.dtype)
 
-    h, mask, load_k = heads(H * D, Hk)
-    k_out = norm_rope(load_k, w_ref)
-    _, _, load_v = heads((H + Hk) * D, Hk)
-    v = load_v(d)
-    slot = slot_ref[t]
-    page, off = slot // page_size, lax.rem(slot, page_size)
-    idx = (page, off, h, d)
-    if stacked:
-        idx = (layer_ref[0], *idx)
-    pltriton.store(k_ref.at[idx], k_out.astype(k_ref.dtype), mask=mask)
-    pltriton.store(v_ref.at[idx], v.astype(v_ref.dtype), mask=mask)
-    if q_ref is not None:
-        hq, q_mask, load_q = heads(0, H)
+    def write_kv():
+        h, mask, load_k = heads(H * D, Hk)
+        k_out = norm_rope(load_k, w_ref)
+        _, _, load_v = heads((H + Hk) * D, Hk)
+        v = load_v(d)
+        slot = slot_ref[t]
+        page, off = slot // page_size, lax.rem(slot, page_size)
+        idx = (page, off, h, d)
+        if stacked:
+            idx = (layer_ref[0], *idx)
+        pltriton.store(k_ref.at[idx], k_out.astype(k_ref.dtype), mask=mask)
+        pltriton.store(v_ref.at[idx], v.astype(v_ref.dtype), mask=mask)
+
+    if q_ref is None:
+        write_kv()
+        return
+    # programs (t, j < n_q) own q heads [j * tile, (j + 1) * tile); program (t, n_q) owns k / v
+    tile = _q_tile(H, Hk)
+    n_q = -(-H // tile)
+    j = pl.program_id(1)
+    pl.when(j == n_q)(write_kv)
+
+    @pl.when(j < n_q)
+    def _():
+        hq, q_mask, load_q = heads(0, H, tile, j * tile)
         pltriton.store(q_ref.at[t, hq, d], norm_rope(load_q, qw_ref).astype(q_ref.dtype), mask=q_mask)
 
 
@@ -166,7 +189,7 @@ def write_kv_from_qkv(
     return pl.pallas_call(
         kernel,
         out_shape=tuple(out_shape + [q_shape] * with_q),
-        grid=(T,),
+        grid=(T, 1 + -(-num_q_heads // _q_tile(num_q_heads, Hk)) if with_q else 1),
         input_output_aliases={7: 0, 8: 1},
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
