@@ -15,8 +15,8 @@ Stages:
       writes land in an unspecified order).  A failure stops the run (exit 2) before anything
       is timed.
   bench: per T in --rows, us per call of (a) the kernel, (b) the reference under XLA, each a
-      chain of --calls writes in one jit (the caches carried from call to call, donated between
-      executables), median over repetitions; bytes = read q, k and v columns, weights and rope
+      write per jitted call, --calls calls (the caches donated and handed to the next call),
+      device time from the kernels' durations in a profiler trace (wall time off the GPU); bytes = read q, k and v columns, weights and rope
       rows, write q, k and v; roofline = bytes / measured copy bandwidth; "XLA kernels / call" counts the
       launches in XLA's optimised HLO of one reference call.
 
@@ -38,7 +38,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import copy_bandwidth, count_kernels, environment, time_chain, write_results  # noqa: E402
+from benchmarks.common import copy_bandwidth, count_kernels, device_us_per_call, environment, write_results  # noqa: E402
 from dspark_jax.layers.rotary import rope_cos_sin  # noqa: E402
 from pallas_kernels.kv_write import write_kv_from_qkv, write_kv_from_qkv_reference  # noqa: E402
 
@@ -115,34 +115,29 @@ def run_check(rng, interpret, smoke) -> list[dict]:
     return rows
 
 
-def time_chain_of(fn, args, layer, n, reps):
-    """us per call: a jit of n chained writes (caches carried), executables dispatched back to
-    back.  The chain is unrolled in Python, as the model's decode step is: timed inside an XLA
-    while loop, the first H200 run (69bf0e8) gave the kernel 8-17 us per call against 4 us in
-    the decode step's profile, and XLA 7-12 us, loop overhead rather than either write."""
-    def chain(kp, vp, q, *rest):
-        c = (kp, vp, q)  # q is carried so that it stays live (XLA would drop an unused q)
-        for _ in range(n):
-            c = fn(*c[:2], *rest, layer)
-        return c
+def us_per_call(fn, args, layer, n):
+    """Device us per call of one jitted write (caches donated and handed back to the next call,
+    as the engine's step does), from the GPU kernels' durations in a profiler trace
+    (benchmarks.common.device_us_per_call).  The first H200 runs timed chains instead and
+    measured the chain: inside a while loop 8-17 us per call for both arms against 3-4 us for
+    the kernel in the decode step's profile (69bf0e8), and an unrolled chain let XLA merge its
+    64 pure writes into fewer kernels (53d9908)."""
+    f = jax.jit(fn, donate_argnums=(0, 1))
+    state, rest = list(args[:2]), args[2:]
 
-    f = jax.jit(chain, donate_argnums=(0, 1, 2))
-    T, H, D = args[2].shape[0], args[2].shape[1] // args[0].shape[-1] - 2 * args[0].shape[-2], args[0].shape[-1]
-    state, rest = [*args[:2], jnp.zeros((T, H, D), args[2].dtype)], args[2:]
+    def call():
+        out = f(*state, *rest, layer)
+        state[:] = out[:2]
+        return out
 
-    def step():  # the donated caches come back as the next call's inputs
-        state[:] = f(*state, *rest)
-        return state
-
-    return time_chain(step, 5, warmup=1, reps=reps) / n * 1e6
+    return device_us_per_call(call, n)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     ap.add_argument("--pages", type=int, default=2048, help="pages per layer of the stacked cache")
-    ap.add_argument("--calls", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--interpret", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU, with --interpret)")
     ap.add_argument("--name", default="kv_write_h200")
@@ -159,15 +154,15 @@ def main(argv=None):
     s = dict(H=4, Hk=2, D=16, L=2) if args.smoke else SHAPE_8B
     pages = 8 if args.smoke else args.pages
     rows_arg = [1, 3] if args.smoke else args.rows
-    calls, reps = (2, 1) if args.smoke else (args.calls, args.reps)
+    calls = 2 if args.smoke else args.calls
     bw = 1e9 if args.smoke else copy_bandwidth()
     rows = []
     for T in rows_arg:
         inputs = make_inputs(rng, T, s["H"], s["Hk"], s["D"], s["L"], pages, 16, jnp.bfloat16)
         layer = jnp.int32(s["L"] // 2)
-        kern = time_chain_of(kernel_call(s["H"], args.interpret), inputs, layer, calls, reps)
+        kern, method = us_per_call(kernel_call(s["H"], args.interpret), inputs, layer, calls)
         inputs = make_inputs(rng, T, s["H"], s["Hk"], s["D"], s["L"], pages, 16, jnp.bfloat16)
-        xla = time_chain_of(reference_call(s["H"]), inputs, layer, calls, reps)
+        xla, _ = us_per_call(reference_call(s["H"]), inputs, layer, calls)
         hlo = jax.jit(reference_call(s["H"])).lower(*inputs, layer).compile().as_text()
         # read q, k, v and the rope rows, write q, k, v, read both norm weights
         nbytes = T * ((2 * s["H"] + 4 * s["Hk"]) * s["D"] * 2 + 2 * s["D"] * 4) + 2 * s["D"] * 2
@@ -178,12 +173,12 @@ def main(argv=None):
     md = [f"# K/V write (and q's norm + rope) from the qkv projection: Pallas kernel vs XLA\n",
           f"{env['device']}, jax {env['jax']}, {env['date']}, commit {env['commit']}; Hq {s['H']}, Hkv {s['Hk']}, "
           f"D {s['D']}, bf16, stacked cache of {s['L']} layers x {pages} pages of 16; copy bandwidth {bw / 1e12:.2f} TB/s. "
-          f"us per call: median over {reps} repetitions of 5 executables of {calls} chained writes.\n",
+          f"us per call: {method} over {calls} calls (one write per executable).\n",
           "| rows | kernel us | XLA us | XLA / kernel | XLA kernels / call | bytes | roofline us |",
           "|---:|---:|---:|---:|---:|---:|---:|"]
     md += [f"| {r['T']} | {r['kernel_us']:.2f} | {r['xla_us']:.2f} | {r['xla_over_kernel']:.2f} | "
            f"{r['xla_kernels_per_call']} | {r['bytes']} | {r['roofline_us']:.3f} |" for r in rows]
-    payload = dict(env=env, shape=s, pages=pages, copy_bandwidth_Bps=bw, check=check, rows=rows,
+    payload = dict(env=env, shape=s, pages=pages, copy_bandwidth_Bps=bw, check=check, rows=rows, timing=method,
                    interpret=args.interpret, status="complete")
     for p in write_results(args.name, payload, "\n".join(md) + "\n", args.out_dir or ["runs/kv-write"]):
         log(f"wrote {p}")

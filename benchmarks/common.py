@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import glob
 import json
 import os
 import re
@@ -71,6 +72,50 @@ def time_chain(step, n: int, *, warmup: int = 2, reps: int = 5) -> float:
         jax.block_until_ready(step())
         ts.append((time.perf_counter() - t0) / n)
     return float(np.median(ts))
+
+
+def device_kernel_events(trace_dir: str) -> list[tuple[str, float, float]]:
+    """(name, start_ns, duration_ns) of every kernel on the first GPU's stream lines."""
+    from jax.profiler import ProfileData
+
+    paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    if not paths:
+        raise RuntimeError(f"no trace written under {trace_dir}")
+    data = ProfileData.from_file(paths[0])
+    events = []
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU:0"):
+            continue
+        for line in plane.lines:
+            # Stream lines hold the kernels and memcpys; "XLA Ops" / "XLA Modules" lines repeat
+            # the same time spans under HLO names and would double count.
+            if not line.name.startswith("Stream"):
+                continue
+            events += [(e.name, float(e.start_ns), float(e.duration_ns)) for e in line.events]
+    return sorted(events, key=lambda e: e[1])
+
+
+def device_us_per_call(call, n: int = 50, warmup: int = 3) -> tuple[float, str]:
+    """Device time per call of ``call()`` (which dispatches one jitted call and returns its
+    result): the summed durations of the GPU kernels it launched, from a profiler trace of n
+    calls, so launch gaps and host dispatch are left out and nothing is fused across calls (an
+    unrolled chain of pure calls lets XLA merge them; a while loop adds its own per-iteration
+    cost).  Off the GPU, with no kernel events, the median wall time per blocked call instead.
+    Returns (us, method)."""
+    import tempfile
+
+    for _ in range(warmup):
+        jax.block_until_ready(call())
+    trace_dir = tempfile.mkdtemp(prefix="kernel-trace-")
+    with jax.profiler.trace(trace_dir):
+        out = None
+        for _ in range(n):
+            out = call()
+        jax.block_until_ready(out)
+    events = device_kernel_events(trace_dir) if jax.default_backend() == "gpu" else []
+    if events:
+        return sum(d for _, _, d in events) / n / 1e3, "profiler: kernel durations per call"
+    return time_fn(lambda: jax.block_until_ready(call()), warmup=1, iters=n) * 1e6, "wall time per blocked call"
 
 
 def copy_bandwidth(nbytes: int = 4 << 30) -> float:

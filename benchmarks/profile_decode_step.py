@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import json
 import sys
 import tempfile
@@ -27,33 +26,12 @@ import jax
 import numpy as np
 
 from benchmarks.bench_decode import SHAPES, weight_bytes_read
-from benchmarks.common import copy_bandwidth, environment, random_model
+from benchmarks.common import copy_bandwidth, device_kernel_events, environment, random_model
 from dspark_jax.config import Qwen3Config
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.engine.model_runner import round_up
 from dspark_jax.forward_batch import build_forward_batch
 from dspark_jax.sampling import SamplingParams, sampling_arrays
-
-
-def device_kernel_events(trace_dir: str) -> list[tuple[str, float, float]]:
-    """(name, start_ns, duration_ns) of every kernel on the first GPU's stream lines."""
-    from jax.profiler import ProfileData
-
-    paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-    if not paths:
-        raise RuntimeError(f"no trace written under {trace_dir}")
-    data = ProfileData.from_file(paths[0])
-    events = []
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU:0"):
-            continue
-        for line in plane.lines:
-            # Stream lines hold the kernels and memcpys; "XLA Ops" / "XLA Modules" lines repeat
-            # the same time spans under HLO names and would double count.
-            if not line.name.startswith("Stream"):
-                continue
-            events += [(e.name, float(e.start_ns), float(e.duration_ns)) for e in line.events]
-    return sorted(events, key=lambda e: e[1])
 
 
 def summarize(events, steps: int, top: int, sequence: int = 0) -> dict:
@@ -96,8 +74,8 @@ def main(argv=None):
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--context", type=int, default=160)
     ap.add_argument("--attention-backend", default="auto")
-    ap.add_argument("--norm-backend", default="reference", help="residual add + RMSNorm: reference | pallas | auto")
-    ap.add_argument("--kv-write-backend", default="reference",
+    ap.add_argument("--norm-backend", default="auto", help="residual add + RMSNorm: reference | pallas | auto")
+    ap.add_argument("--kv-write-backend", default="auto",
                     help="k norm + rope + K/V cache write: reference | pallas | auto")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
@@ -132,14 +110,14 @@ def main(argv=None):
     summary = summarize(device_kernel_events(trace_dir), args.steps, args.top, args.sequence)
     floor_us = weight_bytes_read(cfg) / bw * 1e6
     payload = {"env": env, "shape": args.shape, "batch": bs, "context": ctx, "backend": engine.backend,
-               "norm_backend": args.norm_backend, "kv_write_backend": args.kv_write_backend,
+               "norm_backend": engine.norm_backend, "kv_write_backend": engine.kv_write_backend,
                "copy_bandwidth_Bps": bw, "weights_floor_us": floor_us, **summary}
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     name = f"decode_profile_{args.shape}_bs{bs}_{engine.backend}{args.tag}"
     (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
     md = [f"# Decode step profile: {args.shape}, batch {bs}, context {ctx}, attention {engine.backend}, "
-          f"norm {args.norm_backend}, kv write {args.kv_write_backend}\n",
+          f"norm {engine.norm_backend}, kv write {engine.kv_write_backend}\n",
           f"{env['device']}, jax {env['jax']}, {env['date']}, commit {env['commit']}; copy bandwidth "
           f"{bw / 1e12:.2f} TB/s, weight floor {floor_us:.0f} us.\n"]
     if "error" in summary:

@@ -13,9 +13,9 @@
 #   bench    the full kernel benchmark (bench_ragged_paged_attention.py --bench --defaults)
 #   norm     the fused residual-add + RMSNorm kernel against XLA (benchmarks/bench_fused_add_rms_norm.py)
 #   kvwrite  the K/V write from the qkv projection against XLA, GPU check first (benchmarks/bench_kv_write.py)
-#   decode_fused  the decode benchmark at DECODE_BATCHES with FUSED_ARGS (default --norm-backend pallas
-#            --kv-write-backend pallas: the fused Pallas kernels in the model), beside the decode
-#            stage's XLA paths
+#   decode_arm  the decode benchmark at DECODE_BATCHES with ARM_ARGS, tagged ARM_TAG (default: the
+#            XLA paths, --norm-backend reference --kv-write-backend reference, tag _xla), beside
+#            the decode stage's defaults (the fused Pallas kernels on the GPU)
 #
 # Results land in $OUT (default runs/kernel-decode-suite), packed into kernel-decode-suite.tgz (the
 # device tool returns only a few files).
@@ -30,7 +30,8 @@ RATIO_ARMS=${RATIO_ARMS:-w4s3,flat_vec,carry_bn64,combo}
 RATIO_CONTEXTS=${RATIO_CONTEXTS:-8192 32768 2048 512 4096 16384}
 RATIO_BATCHES=${RATIO_BATCHES:-4 16 1}
 PROFILE_BACKENDS=${PROFILE_BACKENDS:-pallas reference}
-FUSED_ARGS=${FUSED_ARGS:---norm-backend pallas --kv-write-backend pallas}
+ARM_ARGS=${ARM_ARGS:---norm-backend reference --kv-write-backend reference}
+ARM_TAG=${ARM_TAG:-_xla}
 PROFILE_ARGS=${PROFILE_ARGS:-}  # e.g. --sequence 40 --norm-backend pallas
 RATIO_TIME=${RATIO_TIME:-600}  # at most this many seconds for the ratio stage
 . benchmarks/suite_env.sh
@@ -67,12 +68,12 @@ for stage in $STAGES; do
           || echo "kernel bench cut short or failed"
       tail -n 30 "$OUT/kernel_bench.log"
       ;;
-    decode_fused)
+    decode_arm)
       # shellcheck disable=SC2086
       timeout 200 "$PYTHON" benchmarks/bench_decode.py --batch-sizes $DECODE_BATCHES --new-tokens 32 \
-          $FUSED_ARGS --tag _fused --out-dir "$OUT" > "$OUT/decode_fused.log" 2>&1 \
-          || echo "decode (fused norm) cut short or failed"
-      tail -n 12 "$OUT/decode_fused.log"
+          $ARM_ARGS --tag "$ARM_TAG" --out-dir "$OUT" > "$OUT/decode_arm.log" 2>&1 \
+          || echo "decode ($ARM_ARGS) cut short or failed"
+      tail -n 12 "$OUT/decode_arm.log"
       ;;
     norm)
       timeout 150 "$PYTHON" benchmarks/bench_fused_add_rms_norm.py --tune --out-dir "$OUT" > "$OUT/norm.log" 2>&1 \

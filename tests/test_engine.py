@@ -144,9 +144,16 @@ def test_fused_norm_and_kv_write_backends_give_identical_tokens(hf_model_dir, ti
                                                             kv_write_backend="pallas"))
     assert eng.config.hidden_size & (eng.config.hidden_size - 1) == 0  # a width the fused kernel takes
     assert eng.config.head_dim & (eng.config.head_dim - 1) == 0  # and the kv write kernel
+    assert (eng.norm_backend, eng.kv_write_backend) == ("pallas", "pallas")
+    # the defaults ("auto") are the XLA paths off the GPU
+    assert (tiny_engine.norm_backend, tiny_engine.kv_write_backend) == (
+        ("pallas", "pallas") if jax.default_backend() == "gpu" else ("reference", "reference"))
     prompts = _prompts(tiny_engine, 3, seed=32)
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     assert [r.token_ids for r in eng.generate(prompts, params)] == [r.token_ids for r in tiny_engine.generate(prompts, params)]
+    for bad in (dict(norm_backend="triton"), dict(kv_write_backend="cuda")):
+        with pytest.raises(ValueError, match="backend"):
+            Engine.from_pretrained(hf_model_dir, EngineConfig(max_model_len=64, precompile=False, **bad))
 
 
 def test_overlapped_decode_equals_synchronous_decode(hf_model_dir, tiny_engine):

@@ -32,6 +32,8 @@ from dspark_jax.models.qwen3 import Qwen3ForCausalLM
 from dspark_jax.page_pool import PagePool
 from dspark_jax.sampling import SamplingParams, sampling_arrays
 from dspark_jax.tokenizer import Tokenizer
+from pallas_kernels.fused_add_rms_norm import resolve_backend as resolve_norm_backend
+from pallas_kernels.kv_write import resolve_backend as resolve_kv_write_backend
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +49,13 @@ class EngineConfig:
     max_prefill_seqs: int = 8
     attention_backend: str = "auto"  # auto | pallas | reference
     # residual add + RMSNorm in the plain engine's steps: reference (plain jnp, left to XLA) |
-    # pallas (the fused kernel, reading each layer's weight in place: 4.61 against 4.65 ms per
-    # batch-1 8B decode step on the H200, equal at batch 16 / 64, so not the default) | auto
-    norm_backend: str = "reference"
-    # k norm + rope + K/V cache write: reference (XLA) | pallas (one kernel from the qkv projection,
-    # pallas_kernels/kv_write; not yet measured on the GPU) | auto (pallas on GPU)
-    kv_write_backend: str = "reference"
+    # pallas (the fused kernel, reading each layer's weight row in place) | auto (pallas on GPU).
+    # q / k norm + rope + K/V cache write: reference (XLA) | pallas (one kernel from the qkv
+    # projection, pallas_kernels/kv_write) | auto.  Both kernels together against XLA, 8B-shaped
+    # decode step on the H200: 4.60 vs 4.94 ms at batch 1, 4.76 vs 4.96 at 16, 6.04 vs 6.28 at
+    # 64 (benchmarks/results/decode_qwen3-8b_gpu_*_{69bf0e8,53d9908}.md); hence auto.
+    norm_backend: str = "auto"
+    kv_write_backend: str = "auto"
     unroll_decode: bool | None = None  # unroll the layer loop in decode steps; default: on GPU only
     dtype: str | None = None  # default: float32 on CPU (bf16 math is slow there), else the checkpoint's
     compile_cache_dir: str | None = None
@@ -74,12 +77,15 @@ class Engine:
         self.pool = PagePool(num_pages, ec.page_size)
         cache = allocate_kv_cache(self.config, num_pages, ec.page_size, model.dtype)
         self.backend = resolve_backend(ec.attention_backend)
+        # what the norm / K/V-write settings resolve to here (auto: pallas on GPU), for reports
+        self.norm_backend = resolve_norm_backend(ec.norm_backend, self.config.hidden_size)
+        self.kv_write_backend = resolve_kv_write_backend(ec.kv_write_backend, self.config.head_dim)
         enable_compilation_cache(ec.compile_cache_dir)
         unroll = ec.unroll_decode if ec.unroll_decode is not None else jax.default_backend() == "gpu"
         self.runner = ModelRunner(
             model, cache, pages_per_seq=self.pages_per_seq, backend=self.backend,
-            unroll_decode=unroll, lazy=not ec.precompile, norm_backend=ec.norm_backend,
-            kv_write_backend=ec.kv_write_backend,
+            unroll_decode=unroll, lazy=not ec.precompile, norm_backend=self.norm_backend,
+            kv_write_backend=self.kv_write_backend,
         )
         self.prefill_seqs = min(ec.max_prefill_seqs, ec.max_running_requests)
         self.decode_buckets = batch_ladder(ec.max_running_requests)
