@@ -138,7 +138,8 @@ def report(args, env, rows: list[dict]) -> None:
           "median predicted vs measured round time (compact with the cost table; the table's level corrected "
           "online from measured rounds, the raw table in brackets); same tokens = every request's output equals "
           "the plain engine's, else how many requests differ and the median token where they first do.\n",
-          f"Engines in {args.dtype or 'the checkpoint dtype'}, matmul precision {args.matmul_precision or 'default'}.\n",
+          f"Engines in {args.dtype or 'the checkpoint dtype'}, matmul precision {args.matmul_precision or 'default'}, "
+          f"execution {args.execution}.\n",
           "| workload | batch | arm | tok/s | x none | accept | window | step pred (table) / meas ms | same tokens |",
           "|---|---:|---|---:|---:|---:|---:|---:|---|"]
     for r in sorted(rows, key=lambda r: (r["workload"], r["batch"], ARMS.index(r["arm"]))):
@@ -173,6 +174,10 @@ def main(argv=None):
                     "with --dtype float32, separates numerics from algorithm when outputs differ")
     ap.add_argument("--lazy-compile", action="store_true", help="compile each shape on first use (the warm-up "
                     "pass), not every tier at start-up: for equality checks, where start-up time matters more")
+    ap.add_argument("--execution", default="default", choices=("default", "scanned-xla"),
+                    help="scanned-xla: every layer / drafting loop as an XLA while loop and XLA's norms and K/V "
+                         "write (the engines before 2026-12-01), to compare with the defaults (unrolled loops "
+                         "and the fused kernels on the GPU)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out-dir", action="append", default=[])
     args = ap.parse_args(argv)
@@ -201,7 +206,9 @@ def main(argv=None):
             by_workload.setdefault(p["workload"], []).append(p["prompt"])
     ec = EngineConfig(max_running_requests=max(args.batch_sizes),
                       max_model_len=args.max_prompt_tokens + args.max_new_tokens + 32, dtype=args.dtype,
-                      precompile=not args.lazy_compile)
+                      precompile=not args.lazy_compile,
+                      **(dict(unroll_decode=False, norm_backend="reference", kv_write_backend="reference")
+                         if args.execution == "scanned-xla" else {}))
     engines, setup = {}, {}
     for arm in arms:
         t0 = time.perf_counter()

@@ -324,3 +324,24 @@ def test_sts_recording_feeds_the_calibration_cli(pair, tmp_path):
     with pytest.raises(ValueError, match="compact"):
         SpeculativeEngine(target, tok, drafter, EngineConfig(**EC, precompile=False),
                           SpeculativeConfig(mode="compact", record_sts_dir=str(rec)))
+
+
+def test_gpu_execution_options_commit_the_same_tokens(pair, plain, model_dir):
+    """What the engines run on the GPU -- every loop unrolled (target layers, drafter layers, the
+    gamma sampling steps, the context extension; the MTP chain) and the fused norm and K/V-write
+    kernels (interpret mode here) -- commits exactly the plain engine's greedy tokens, for the
+    DSpark and the MTP engine."""
+    from dspark_jax.engine.mtp_engine import MTPEngine
+    from dspark_jax.mtp.model import MTPConfig, MTPDrafter
+
+    target, tok, drafter = pair
+    gpu_like = EngineConfig(**EC, unroll_decode=True, norm_backend="pallas", kv_write_backend="pallas")
+    prompts = _prompts(target.config.vocab_size, 5, seed=11)
+    want = [r.token_ids for r in plain.generate(prompts, GREEDY)]
+    eng = SpeculativeEngine(target, tok, drafter, gpu_like, SpeculativeConfig(mode="compact", cost_table=TABLE))
+    assert eng.unroll_decode and (eng.norm_backend, eng.kv_write_backend) == ("pallas", "pallas")
+    assert [r.token_ids for r in eng.generate(prompts, GREEDY)] == want
+    assert np.asarray(eng.stats["accept_lens"]).max() >= 3
+    mtp = MTPEngine(target, tok, MTPDrafter(MTPConfig.from_target(target.config), rngs=nnx.Rngs(1)), gpu_like,
+                    num_steps=3)
+    assert [r.token_ids for r in mtp.generate(prompts, GREEDY)] == want

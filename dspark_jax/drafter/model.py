@@ -136,8 +136,9 @@ class DSparkDrafter(nnx.Module):
         h = self.norm(x).reshape(B, N, G, -1)
         return DraftOutput(h, target.logits(h.astype(target.dtype)))
 
-    def _layer_loop(self, fn, carry, cache: KVCache):
-        """Scan `fn(layer_module, carry, cache, layer_idx) -> (carry, cache)` over the layers."""
+    def _layer_loop(self, fn, carry, cache: KVCache, unroll: bool = False):
+        """Scan `fn(layer_module, carry, cache, layer_idx) -> (carry, cache)` over the layers
+        (``unroll``: as straight-line code, no XLA while loop; see ``sample_block``)."""
         layer_def, layer_state = nnx.split(self.layers)
 
         def body(c, xs):
@@ -147,21 +148,24 @@ class DSparkDrafter(nnx.Module):
             return (carry, out.k, out.v), None
 
         (carry, kc, vc), _ = jax.lax.scan(
-            body, (carry, cache.k, cache.v), (layer_state, jnp.arange(self.config.num_layers, dtype=jnp.int32))
+            body, (carry, cache.k, cache.v), (layer_state, jnp.arange(self.config.num_layers, dtype=jnp.int32)),
+            unroll=bool(unroll),
         )
         return carry, KVCache(kc, vc)
 
-    def extend_context(self, cache: KVCache, ctx_taps, ctx_positions, ctx_slots) -> KVCache:
+    def extend_context(self, cache: KVCache, ctx_taps, ctx_positions, ctx_slots, *, unroll: bool = False) -> KVCache:
         """Add context rows to the draft cache: ctx_taps [m, Tc, d] are the target's tapped
         hidden states of rows it has verified (prompt rows after prefill; anchor + accepted
         drafts after a verify step), at positions ctx_positions, written at ctx_slots."""
         cfg = self.config
         ctx = self.fuse_context(ctx_taps)
         rope = rope_cos_sin(ctx_positions, cfg.head_dim, cfg.rope_theta)
-        _, cache = self._layer_loop(lambda lyr, c, kv, i: (c, lyr.write_context(ctx, rope, ctx_slots, kv, i)), 0, cache)
+        _, cache = self._layer_loop(lambda lyr, c, kv, i: (c, lyr.write_context(ctx, rope, ctx_slots, kv, i)), 0, cache,
+                                    unroll)
         return cache
 
-    def draft_block(self, target: Qwen3ForCausalLM, cache: KVCache, block: ForwardBatch, *, backend: str = "reference"):
+    def draft_block(self, target: Qwen3ForCausalLM, cache: KVCache, block: ForwardBatch, *, backend: str = "reference",
+                    unroll: bool = False):
         """One forward over packed blocks ([anchor, MASK...] at anchor position + k, kv_lens =
         anchor position + gamma).  Returns (hidden [Tq, d] final-normed, base logits [Tq, V]
         fp32, cache); block K/V left in the cache are overwritten by later context rows."""
@@ -169,7 +173,8 @@ class DSparkDrafter(nnx.Module):
         block = ForwardBatch(*(jnp.asarray(a) for a in block))
         rope = rope_cos_sin(block.positions, cfg.head_dim, cfg.rope_theta)
         x = target.embed_tokens(block.input_ids).astype(self.fc.kernel.dtype)
-        x, cache = self._layer_loop(lambda lyr, h, kv, i: lyr.block(h, rope, kv, block, i, backend=backend), x, cache)
+        x, cache = self._layer_loop(lambda lyr, h, kv, i: lyr.block(h, rope, kv, block, i, backend=backend), x, cache,
+                                    unroll)
         h = self.norm(x)
         return h, target.logits(h.astype(target.dtype)), cache
 
@@ -217,8 +222,11 @@ class BlockSample(NamedTuple):
     confidence: jax.Array  # [S, gamma] fp32 raw confidence logits z
 
 
-def sample_block(drafter: DSparkDrafter, out_hidden, base_logits, anchor, temperature, keys) -> BlockSample:
-    """Left-to-right sampling of one block per sequence under lax.scan.
+def sample_block(drafter: DSparkDrafter, out_hidden, base_logits, anchor, temperature, keys,
+                 unroll: bool = False) -> BlockSample:
+    """Left-to-right sampling of one block per sequence under lax.scan (``unroll``: the gamma
+    steps as straight-line code; on the GPU an XLA while loop is driven from the host iteration
+    by iteration, which a serving step at batch 1 cannot afford).
 
     out_hidden [S, gamma, d], base_logits [S, gamma, V], anchor [S], temperature [S] (0 =
     greedy), keys [S] PRNG keys (one per sequence).  Position k's previous token is the anchor
@@ -245,5 +253,6 @@ def sample_block(drafter: DSparkDrafter, out_hidden, base_logits, anchor, temper
         z = drafter.confidence_logits(h, e)
         return (tok, state), (tok, logits, z)
 
-    _, (toks, logits, z) = jax.lax.scan(body, (anchor.astype(jnp.int32), state0), (h_t, u_t, step_keys))
+    _, (toks, logits, z) = jax.lax.scan(body, (anchor.astype(jnp.int32), state0), (h_t, u_t, step_keys),
+                                        unroll=bool(unroll))
     return BlockSample(jnp.moveaxis(toks, 0, 1), jnp.moveaxis(logits, 0, 1), jnp.moveaxis(z, 0, 1))

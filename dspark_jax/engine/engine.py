@@ -82,6 +82,7 @@ class Engine:
         self.kv_write_backend = resolve_kv_write_backend(ec.kv_write_backend, self.config.head_dim)
         enable_compilation_cache(ec.compile_cache_dir)
         unroll = ec.unroll_decode if ec.unroll_decode is not None else jax.default_backend() == "gpu"
+        self.unroll_decode = bool(unroll)
         self.runner = ModelRunner(
             model, cache, pages_per_seq=self.pages_per_seq, backend=self.backend,
             unroll_decode=unroll, lazy=not ec.precompile, norm_backend=self.norm_backend,

@@ -63,12 +63,17 @@ class MTPEngine(Engine):
         self.drafter_def, self.drafter_state = nnx.split(drafter)
         # The steps take both states as flat leaf lists (engine/flat_state.py: cheaper dispatch).
         self.state_args, state_defs = flatten_states(self.target_state, self.drafter_state)
+        # the plain engine's execution options (unrolled loops, fused kernels on the GPU), as in
+        # the DSpark engine, so the two arms compare on equal terms
+        opts = dict(backend=self.backend, unroll=self.unroll_decode,
+                    target_options=(("scan_layers", not self.unroll_decode), ("norm_backend", self.norm_backend),
+                                    ("kv_write_backend", self.kv_write_backend)))
         self._prefill_jit = jax.jit(
-            with_flat_states(functools.partial(mtp_prefill_step, self.target_def, self.drafter_def,
-                                               backend=self.backend), state_defs), donate_argnums=(2, 3, 4))
+            with_flat_states(functools.partial(mtp_prefill_step, self.target_def, self.drafter_def, **opts),
+                             state_defs), donate_argnums=(2, 3, 4))
         self._spec_jit = jax.jit(
             with_flat_states(functools.partial(mtp_spec_step, self.target_def, self.drafter_def,
-                                               page_size=self.pool.page_size, backend=self.backend), state_defs),
+                                               page_size=self.pool.page_size, **opts), state_defs),
             donate_argnums=(2, 3, 4), static_argnames=("num_tokens",))
         self._compiled: dict = {}
         self._slot_of: dict[str, int] = {}

@@ -151,14 +151,19 @@ class SpeculativeEngine(Engine):
         # The steps take both states as flat leaf lists (engine/flat_state.py: cheaper dispatch).
         self.state_args, state_defs = flatten_states(self.target_state, self.drafter_state)
         backend = self.backend
+        # the plain engine's execution options apply to the speculative steps too (unrolled loops
+        # and the fused kernels on the GPU)
+        opts = dict(backend=backend, unroll=self.unroll_decode,
+                    target_options=(("scan_layers", not self.unroll_decode), ("norm_backend", self.norm_backend),
+                                    ("kv_write_backend", self.kv_write_backend)))
         self._prefill_jit = jax.jit(
-            with_flat_states(functools.partial(prefill_step, self.target_def, self.drafter_def, backend=backend),
+            with_flat_states(functools.partial(prefill_step, self.target_def, self.drafter_def, **opts),
                              state_defs), donate_argnums=(2, 3))
         self._spec_jit = {}
         for mode in MODES:
             self._spec_jit[mode] = jax.jit(
                 with_flat_states(functools.partial(spec_step, self.target_def, self.drafter_def, mode=mode,
-                                                   page_size=ps, backend=backend), state_defs),
+                                                   page_size=ps, **opts), state_defs),
                 donate_argnums=(2, 3), static_argnames=("num_tokens",))
         self._compiled: dict = {}
         self._num_probes = self.estimator.max_pending if self.estimator is not None else 0

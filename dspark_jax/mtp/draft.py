@@ -103,12 +103,14 @@ def _sample(logits, temperature, keys):
 
 def draft_chain(drafter: MTPDrafter, target: Qwen3ForCausalLM, cache: KVCache, batch: ForwardBatch,
                 hidden: jax.Array, temperature: jax.Array, keys: jax.Array, *, num_steps: int,
-                backend: str = "reference") -> tuple[ChainDraft, KVCache]:
+                backend: str = "reference", unroll: bool = False) -> tuple[ChainDraft, KVCache]:
     """k = num_steps chain drafts per request -> (ChainDraft, updated drafter cache).
 
     batch: built by build_draft_batch (or build_forward_batch with logits_rows="last" and
     num_logits = num_seqs); hidden [T, d] aligned with its rows; temperature [S] (0 = greedy);
-    keys [S] per-request PRNG keys (draft_keys).  Rows of padding requests return garbage."""
+    keys [S] per-request PRNG keys (draft_keys).  Rows of padding requests return garbage.
+    unroll: the k - 1 steps as straight-line code instead of a while loop (the GPU serving path,
+    speculative/step.py)."""
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
     S = batch.page_table.shape[0]
@@ -132,7 +134,7 @@ def draft_chain(drafter: MTPDrafter, target: Qwen3ForCausalLM, cache: KVCache, b
         return (h_new, new_tok, c.k, c.v), (new_tok, lg, h_new)
 
     (_, _, kc, vc), (toks, lgs, hs) = jax.lax.scan(
-        body, (h, tok, cache.k, cache.v), jnp.arange(1, num_steps, dtype=jnp.int32))
+        body, (h, tok, cache.k, cache.v), jnp.arange(1, num_steps, dtype=jnp.int32), unroll=bool(unroll))
     tokens = jnp.concatenate([tok[:, None], jnp.moveaxis(toks, 0, 1)], axis=1)
     logits = jnp.concatenate([logits[:, None], jnp.moveaxis(lgs, 0, 1)], axis=1)
     hidden_out = jnp.concatenate([h[:, None], jnp.moveaxis(hs, 0, 1)], axis=1)

@@ -124,8 +124,10 @@ def extend_batch(pending: Pending, inp: MTPInputs, *, num_tokens: int, page_size
 
 
 def mtp_spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCache, dcache: KVCache,
-                  pending: Pending, inp: MTPInputs, *, num_tokens: int, page_size: int, backend: str):
+                  pending: Pending, inp: MTPInputs, *, num_tokens: int, page_size: int, backend: str,
+                  target_options: tuple = (), unroll: bool = False):
     """One round -> (MTPOutputs, tcache, dcache, pending).  The caches and Pending are donated.
+    target_options / unroll: as in speculative/step.py.
 
     k (the chain length) is Pending's width - 1; num_tokens (the tier) must hold S * (k + 1)."""
     target = nnx.merge(target_def, target_state)
@@ -136,13 +138,13 @@ def mtp_spec_step(target_def, drafter_def, target_state, drafter_state, tcache: 
     # 1. Draft: extend over the carried rows, then k - 1 chain steps.
     eb, hidden = extend_batch(pending, inp, num_tokens=num_tokens, page_size=page_size)
     chain, dcache = draft_chain(drafter, target, dcache, eb, hidden, inp.temperature,
-                                draft_keys(inp.seed, inp.start + 1), num_steps=k, backend=backend)
+                                draft_keys(inp.seed, inp.start + 1), num_steps=k, backend=backend, unroll=unroll)
 
     # 2. Verify the anchor and all k drafts of every request.
     verify_lens = jnp.where(inp.live, W, 0).astype(jnp.int32)
     fb = front_pack(inp.anchor, chain.tokens, verify_lens, inp.start, inp.page_table, inp.num_seqs,
                     num_tokens=num_tokens, page_size=page_size)
-    out = target(tcache, fb, backend=backend)
+    out = target(tcache, fb, backend=backend, **dict(target_options))
     logits = unpack_rows(out.logits, verify_lens, W)
 
     # 3. Accept.
@@ -163,7 +165,8 @@ def mtp_spec_step(target_def, drafter_def, target_state, drafter_state, tcache: 
 
 
 def mtp_prefill_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCache, dcache: KVCache,
-                     pending: Pending, batch: ForwardBatch, sampling, next_ids, final_slot, *, backend: str):
+                     pending: Pending, batch: ForwardBatch, sampling, next_ids, final_slot, *, backend: str,
+                     target_options: tuple = (), unroll: bool = False):
     """Target prefill of prompt chunks + drafter extend; the first token is sampled.
 
     next_ids [T]: the prompt token after each row (the host knows it, except after the last row
@@ -174,7 +177,7 @@ def mtp_prefill_step(target_def, drafter_def, target_state, drafter_state, tcach
     writes the same K/V again).  -> (tokens [S], tcache, dcache, pending)."""
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state)
-    out = target(tcache, batch, backend=backend)
+    out = target(tcache, batch, backend=backend, **dict(target_options))
     tokens = sample(out.logits, *sampling)
     T, num_slots = batch.input_ids.shape[0], pending.count.shape[0]
     final = final_slot >= 0

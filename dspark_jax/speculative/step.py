@@ -13,6 +13,13 @@ spec_step, one round for a packed batch of requests:
 Only the committed tokens (drafts[:a] + bonus) and small per-request statistics go back to
 the host.
 
+Both steps take the target's execution options as ``target_options`` (a hashable tuple of
+(name, value) pairs for the target forward: ``scan_layers``, ``norm_backend``,
+``kv_write_backend``) and ``unroll`` for the drafter's loops.  On the GPU the engine unrolls
+every loop, as the plain engine's decode step does: an XLA while loop there is driven from the
+host one iteration at a time, and a speculative round runs several (target layers, drafter
+layers, the gamma sampling steps, the context extension).
+
 Random keys are derived per request from (seed, anchor position), so outputs do not depend on
 batch composition.
 
@@ -121,7 +128,8 @@ def estimator_log_probs(draft_logits, drafts, target_logits, verify_lens, probes
 
 
 def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCache, dcache: KVCache,
-              inp: SpecInputs, sts_temperatures, *, mode: str, num_tokens: int, page_size: int, backend: str):
+              inp: SpecInputs, sts_temperatures, *, mode: str, num_tokens: int, page_size: int, backend: str,
+              target_options: tuple = (), unroll: bool = False):
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state)
     cfg = drafter.config
@@ -132,9 +140,9 @@ def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCa
 
     # 1. Draft.
     blk = block_batch(inp, G, cfg.mask_token_id, page_size)
-    h, base, dcache = drafter.draft_block(target, dcache, blk, backend=backend)
+    h, base, dcache = drafter.draft_block(target, dcache, blk, backend=backend, unroll=unroll)
     bs = sample_block(drafter, h.reshape(S, G, -1), base.reshape(S, G, -1), inp.anchor, inp.temperature,
-                      _keys(inp.seed, inp.start, 1))
+                      _keys(inp.seed, inp.start, 1), unroll=unroll)
     survival = jnp.cumprod(jax.nn.sigmoid(bs.confidence / sts_temperatures[None, :]), axis=1)
 
     # 2. Windows: static verifies everything; compact / cap-accept take the top-K.
@@ -145,7 +153,7 @@ def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCa
     # 3. Target verify over the front-packed windows, tapping the drafter's layers.
     fb = front_pack(inp.anchor, bs.tokens, verify_lens, inp.start, inp.page_table, inp.num_seqs,
                     num_tokens=num_tokens, page_size=page_size)
-    out = target(tcache, fb, tap_layers=cfg.target_layer_ids, backend=backend)
+    out = target(tcache, fb, tap_layers=cfg.target_layer_ids, backend=backend, **dict(target_options))
     logits = unpack_rows(out.logits, verify_lens, G + 1)
 
     # 4. Accept.
@@ -156,7 +164,7 @@ def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCa
     req, within, valid = packed_rows(verify_lens, num_tokens)
     keep = valid & (within <= acc.num_accepted[req])
     ctx_slots = jnp.where(keep, fb.slot_mapping, jnp.arange(num_tokens) % page_size)
-    dcache = drafter.extend_context(dcache, out.taps, fb.positions, ctx_slots)
+    dcache = drafter.extend_context(dcache, out.taps, fb.positions, ctx_slots, unroll=unroll)
     pad = lambda x: jnp.zeros(inp.fed_anchor.shape, jnp.int32).at[:S].set(jnp.where(inp.live, x, 0).astype(jnp.int32))
     est = (estimator_log_probs(bs.logits, bs.tokens, logits, verify_lens, inp.probes, inp.temperature)
            if inp.probes.shape[-1] else None)
@@ -166,10 +174,10 @@ def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCa
 
 
 def prefill_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCache, dcache: KVCache,
-                 batch: ForwardBatch, sampling, *, backend: str):
+                 batch: ForwardBatch, sampling, *, backend: str, target_options: tuple = (), unroll: bool = False):
     """Target prefill with taps; the prompt rows become draft context; the first token is sampled."""
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state)
-    out = target(tcache, batch, tap_layers=drafter.config.target_layer_ids, backend=backend)
-    dcache = drafter.extend_context(dcache, out.taps, batch.positions, batch.slot_mapping)
+    out = target(tcache, batch, tap_layers=drafter.config.target_layer_ids, backend=backend, **dict(target_options))
+    dcache = drafter.extend_context(dcache, out.taps, batch.positions, batch.slot_mapping, unroll=unroll)
     return sample(out.logits, *sampling), out.cache, dcache
