@@ -56,7 +56,11 @@ class EngineConfig:
     # 64 (benchmarks/results/decode_qwen3-8b_gpu_*_{69bf0e8,53d9908}.md); hence auto.
     norm_backend: str = "auto"
     kv_write_backend: str = "auto"
-    unroll_decode: bool | None = None  # unroll the layer loop in decode steps; default: on GPU only
+    # unroll every loop of the decode and speculative steps (layers, drafting steps); default: on
+    # GPU only, where an XLA while loop is driven from the host iteration by iteration.  Batch-1
+    # speculative rounds on the H200: 4-23% more tok/s, but ~4x the compile time at start-up
+    # (benchmarks/results/speculative_default_gpu_bs1_*_8042ee7.md).
+    unroll_decode: bool | None = None
     dtype: str | None = None  # default: float32 on CPU (bf16 math is slow there), else the checkpoint's
     compile_cache_dir: str | None = None
     precompile: bool = True  # False: compile each shape bucket on first use
