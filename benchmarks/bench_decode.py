@@ -58,10 +58,11 @@ def report(args, env, bw, cfg_shape, wbytes, kv_tok, engine, rows):
     payload = dict(env=env, shape=args.shape, config=cfg_shape, copy_bandwidth_Bps=bw,
                    weight_bytes_read=wbytes, kv_bytes_per_token=kv_tok, prompt_len=args.prompt_len,
                    new_tokens=args.new_tokens, attention_backend=engine.backend, norm_backend=engine.norm_backend,
-                   kv_write_backend=engine.kv_write_backend, unroll_decode=not args.scan_layers,
+                   kv_write_backend=engine.kv_write_backend, gemv_backend=engine.gemv_backend,
+                   unroll_decode=not args.scan_layers,
                    compile_seconds=engine.compile_seconds, rows=rows)
     md = [f"# Decode benchmark: {args.shape}, random bf16 weights\n",
-          f"{env['device']}, jax {env['jax']}, {env['date']}, commit {env['commit']}; attention {engine.backend}, norm {engine.norm_backend}, kv write {engine.kv_write_backend}, "
+          f"{env['device']}, jax {env['jax']}, {env['date']}, commit {env['commit']}; attention {engine.backend}, norm {engine.norm_backend}, kv write {engine.kv_write_backend}, gemv {engine.gemv_backend}, "
           f"decode layers {'scanned' if args.scan_layers else 'unrolled'}; measured copy bandwidth {bw / 1e12:.2f} TB/s; prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens. Floor = (weights {wbytes / 1e9:.2f} GB + KV read) / bandwidth.\n",
           f"The last column takes the floor at the H200's reference copy bandwidth ({REFERENCE_BW / 1e12:.2f} TB/s, "
@@ -91,6 +92,8 @@ def main(argv=None):
     ap.add_argument("--norm-backend", default="auto", help="residual add + RMSNorm: reference | pallas | auto")
     ap.add_argument("--kv-write-backend", default="auto",
                     help="k norm + rope + K/V cache write: reference | pallas | auto")
+    ap.add_argument("--gemv-backend", default="reference",
+                    help="the decode projections: reference (XLA) | pallas (the GEMV kernel) | auto")
     ap.add_argument("--scan-layers", type=int, default=0, help="1: decode under lax.scan (slower on GPU)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out-dir", action="append", default=[])
@@ -105,7 +108,7 @@ def main(argv=None):
     engine = Engine(model, None, EngineConfig(
         max_running_requests=max_bs, max_model_len=max_len, page_size=16,
         max_prefill_tokens=2048, max_prefill_seqs=16, attention_backend=args.attention_backend, norm_backend=args.norm_backend,
-        kv_write_backend=args.kv_write_backend, unroll_decode=not args.scan_layers, precompile=False))
+        kv_write_backend=args.kv_write_backend, gemv_backend=args.gemv_backend, unroll_decode=not args.scan_layers, precompile=False))
     # Compile only the buckets this run uses (unrolled 36-layer decode steps compile slowly).
     from dspark_jax.engine.model_runner import round_up as _ru
 

@@ -77,6 +77,8 @@ def main(argv=None):
     ap.add_argument("--norm-backend", default="auto", help="residual add + RMSNorm: reference | pallas | auto")
     ap.add_argument("--kv-write-backend", default="auto",
                     help="k norm + rope + K/V cache write: reference | pallas | auto")
+    ap.add_argument("--gemv-backend", default="reference",
+                    help="the decode projections: reference (XLA) | pallas (the GEMV kernel) | auto")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--sequence", type=int, default=0, help="list the last step's first N kernels in launch order")
@@ -91,7 +93,7 @@ def main(argv=None):
     bs, ctx = args.batch_size, args.context
     engine = Engine(model, None, EngineConfig(max_running_requests=bs, max_model_len=ctx + 32, page_size=16,
                                               attention_backend=args.attention_backend, norm_backend=args.norm_backend,
-                                              kv_write_backend=args.kv_write_backend, precompile=False))
+                                              kv_write_backend=args.kv_write_backend, gemv_backend=args.gemv_backend, precompile=False))
     B = round_up(bs, engine.decode_buckets)
     pages = [list(range(1 + i * engine.pages_per_seq, 1 + i * engine.pages_per_seq + -(-(ctx + 1) // 16)))
              for i in range(bs)]
@@ -111,13 +113,14 @@ def main(argv=None):
     floor_us = weight_bytes_read(cfg) / bw * 1e6
     payload = {"env": env, "shape": args.shape, "batch": bs, "context": ctx, "backend": engine.backend,
                "norm_backend": engine.norm_backend, "kv_write_backend": engine.kv_write_backend,
+               "gemv_backend": engine.gemv_backend,
                "copy_bandwidth_Bps": bw, "weights_floor_us": floor_us, **summary}
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     name = f"decode_profile_{args.shape}_bs{bs}_{engine.backend}{args.tag}"
     (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
     md = [f"# Decode step profile: {args.shape}, batch {bs}, context {ctx}, attention {engine.backend}, "
-          f"norm {engine.norm_backend}, kv write {engine.kv_write_backend}\n",
+          f"norm {engine.norm_backend}, kv write {engine.kv_write_backend}, gemv {engine.gemv_backend}\n",
           f"{env['device']}, jax {env['jax']}, {env['date']}, commit {env['commit']}; copy bandwidth "
           f"{bw / 1e12:.2f} TB/s, weight floor {floor_us:.0f} us.\n"]
     if "error" in summary:

@@ -141,7 +141,7 @@ def test_unrolled_decode_and_lazy_compile_give_identical_tokens(hf_model_dir, ti
 def test_fused_norm_and_kv_write_backends_give_identical_tokens(hf_model_dir, tiny_engine):
     eng = Engine.from_pretrained(hf_model_dir, EngineConfig(max_running_requests=4, max_prefill_tokens=64,
                                                             max_model_len=256, precompile=False, norm_backend="pallas",
-                                                            kv_write_backend="pallas"))
+                                                            kv_write_backend="pallas", gemv_backend="pallas"))
     assert eng.config.hidden_size & (eng.config.hidden_size - 1) == 0  # a width the fused kernel takes
     assert eng.config.head_dim & (eng.config.head_dim - 1) == 0  # and the kv write kernel
     assert (eng.norm_backend, eng.kv_write_backend) == ("pallas", "pallas")
@@ -151,7 +151,7 @@ def test_fused_norm_and_kv_write_backends_give_identical_tokens(hf_model_dir, ti
     prompts = _prompts(tiny_engine, 3, seed=32)
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     assert [r.token_ids for r in eng.generate(prompts, params)] == [r.token_ids for r in tiny_engine.generate(prompts, params)]
-    for bad in (dict(norm_backend="triton"), dict(kv_write_backend="cuda")):
+    for bad in (dict(norm_backend="triton"), dict(kv_write_backend="cuda"), dict(gemv_backend="cublas")):
         with pytest.raises(ValueError, match="backend"):
             Engine.from_pretrained(hf_model_dir, EngineConfig(max_model_len=64, precompile=False, **bad))
 

@@ -33,6 +33,7 @@ from dspark_jax.page_pool import PagePool
 from dspark_jax.sampling import SamplingParams, sampling_arrays
 from dspark_jax.tokenizer import Tokenizer
 from pallas_kernels.fused_add_rms_norm import resolve_backend as resolve_norm_backend
+from pallas_kernels.gemv import resolve_backend as resolve_gemv_backend
 from pallas_kernels.kv_write import resolve_backend as resolve_kv_write_backend
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,10 @@ class EngineConfig:
     # 64 (benchmarks/results/decode_qwen3-8b_gpu_*_{69bf0e8,53d9908}.md); hence auto.
     norm_backend: str = "auto"
     kv_write_backend: str = "auto"
+    # the projections of small (decode) batches: reference (XLA's GEMMs) | pallas (the GEMV kernel,
+    # pallas_kernels/gemv: no split-K reduction, the SwiGLU product fused into the down
+    # projection; not yet measured on the GPU, hence off) | auto (pallas on GPU)
+    gemv_backend: str = "reference"
     # unroll every loop of the decode and speculative steps (layers, drafting steps); default: on
     # GPU only, where an XLA while loop is driven from the host iteration by iteration.  Batch-1
     # speculative rounds on the H200: 4-23% more tok/s, but ~4x the compile time at start-up
@@ -84,13 +89,17 @@ class Engine:
         # what the norm / K/V-write settings resolve to here (auto: pallas on GPU), for reports
         self.norm_backend = resolve_norm_backend(ec.norm_backend, self.config.hidden_size)
         self.kv_write_backend = resolve_kv_write_backend(ec.kv_write_backend, self.config.head_dim)
+        # (the GEMV choice is per shape; reported: a decode row of the output projection)
+        cfg = self.config
+        self.gemv_backend = resolve_gemv_backend(ec.gemv_backend, 1, cfg.num_attention_heads * cfg.head_dim,
+                                                 cfg.hidden_size)
         enable_compilation_cache(ec.compile_cache_dir)
         unroll = ec.unroll_decode if ec.unroll_decode is not None else jax.default_backend() == "gpu"
         self.unroll_decode = bool(unroll)
         self.runner = ModelRunner(
             model, cache, pages_per_seq=self.pages_per_seq, backend=self.backend,
             unroll_decode=unroll, lazy=not ec.precompile, norm_backend=self.norm_backend,
-            kv_write_backend=self.kv_write_backend,
+            kv_write_backend=self.kv_write_backend, gemv_backend=ec.gemv_backend,
         )
         self.prefill_seqs = min(ec.max_prefill_seqs, ec.max_running_requests)
         self.decode_buckets = batch_ladder(ec.max_running_requests)

@@ -68,7 +68,7 @@ def _sampling_struct(rows: int):
 class ModelRunner:
     def __init__(self, model: Qwen3ForCausalLM, cache: KVCache, *, pages_per_seq: int, backend: str,
                  unroll_decode: bool = False, lazy: bool = False, norm_backend: str = "reference",
-                 kv_write_backend: str = "reference"):
+                 kv_write_backend: str = "reference", gemv_backend: str = "reference"):
         """unroll_decode: compile decode buckets (tokens == seqs) with the layer loop unrolled.
 
         Under ``lax.scan`` XLA:GPU materialises each layer's weight slice before its GEMM (a
@@ -77,7 +77,8 @@ class ModelRunner:
         Prefill and verify buckets, which are compute-bound, keep the compact scan.
         lazy: compile a bucket on first use instead of failing (benchmarks, quick scripts).
         norm_backend: how residual add + RMSNorm run (models/qwen3.py ``add_rms_norm``);
-        kv_write_backend: how k is normed and rotated and K/V written (``Qwen3Attention``)."""
+        kv_write_backend: how k is normed and rotated and K/V written (``Qwen3Attention``);
+        gemv_backend: how the projections run (models/qwen3.py ``project``)."""
         self.graphdef, self.state = nnx.split(model)
         (self.state_leaves,), state_defs = flatten_states(self.state)  # dispatched as a flat list
         self.config = model.config
@@ -93,7 +94,7 @@ class ModelRunner:
             def step(state, cache, batch: ForwardBatch, sampling):
                 model = nnx.merge(graphdef, state)
                 out = model(cache, batch, backend=backend, scan_layers=scan_layers, norm_backend=norm_backend,
-                            kv_write_backend=kv_write_backend)
+                            kv_write_backend=kv_write_backend, gemv_backend=gemv_backend)
                 return sample(out.logits, *sampling), out.cache
 
             # Positional donation: the cache buffers are reused in place, never copied.

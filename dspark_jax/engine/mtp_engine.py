@@ -67,7 +67,7 @@ class MTPEngine(Engine):
         # the DSpark engine, so the two arms compare on equal terms
         opts = dict(backend=self.backend, unroll=self.unroll_decode,
                     target_options=(("scan_layers", not self.unroll_decode), ("norm_backend", self.norm_backend),
-                                    ("kv_write_backend", self.kv_write_backend)))
+                                    ("kv_write_backend", self.kv_write_backend), ("gemv_backend", self.ec.gemv_backend)))
         self._prefill_jit = jax.jit(
             with_flat_states(functools.partial(mtp_prefill_step, self.target_def, self.drafter_def, **opts),
                              state_defs), donate_argnums=(2, 3, 4))

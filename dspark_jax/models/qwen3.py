@@ -23,17 +23,50 @@ from dspark_jax.kv_cache import KVCache
 from dspark_jax.layers.attention import attend_paged, paged_attention
 from dspark_jax.layers.norm import RMSNorm, rms_norm
 from dspark_jax.layers.rotary import apply_rope, rope_cos_sin
+from pallas_kernels.backend import BACKENDS
 from pallas_kernels.fused_add_rms_norm import fused_add_rms_norm_op
 from pallas_kernels.fused_add_rms_norm import resolve_backend as resolve_norm_backend
-from pallas_kernels.kv_write import BACKENDS as KV_WRITE_BACKENDS
+from pallas_kernels.gemv import gemv_op, swiglu
+from pallas_kernels.gemv import resolve_backend as resolve_gemv_backend
 from pallas_kernels.kv_write import resolve_backend as resolve_kv_write_backend
 from pallas_kernels.kv_write import write_kv_from_qkv_op
 
-NORM_BACKENDS = ("reference", "pallas", "auto")
+NORM_BACKENDS = KV_WRITE_BACKENDS = GEMV_BACKENDS = BACKENDS
+
+
+class LayerStacks(NamedTuple):
+    """All layers' weights of one kind as the [L, ...] stacks the model holds, for the Pallas
+    kernels to read layer ``layer``'s slice in place: XLA copies a layer slice handed to a custom
+    call into a buffer of its own first (72 norm-weight copies per 8B decode step before the
+    norm kernel took the stack; for a projection it would copy 34-200 MB).  None where that op
+    runs in XLA."""
+
+    input_norm: jax.Array | None = None
+    post_norm: jax.Array | None = None
+    q_norm: jax.Array | None = None
+    k_norm: jax.Array | None = None
+    qkv: jax.Array | None = None
+    o: jax.Array | None = None
+    gate_up: jax.Array | None = None
+    down: jax.Array | None = None
+
+
+def project(linear: nnx.Linear, x: jax.Array, backend: str, stack: jax.Array | None = None, layer=None,
+            prologue: str = "none") -> jax.Array:
+    """``linear(prologue(x))`` for packed rows x [T, din]: "pallas" runs the small-batch GEMV
+    kernel (pallas_kernels/gemv; one launch, no split-K reduction, the SwiGLU product fused into
+    the down projection), reading ``stack[layer]`` in place when given; shapes it cannot take, a
+    biased layer, and "reference" use the Linear under XLA."""
+    K, N = linear.kernel.shape[-2:]
+    if linear.bias is None and x.ndim == 2 and resolve_gemv_backend(backend, x.shape[0], K, N) == "pallas":
+        if stack is None:
+            return gemv_op(x, linear.kernel[...], prologue=prologue, backend="pallas")
+        return gemv_op(x, stack, layer=layer, prologue=prologue, backend="pallas")
+    return linear(swiglu(x) if prologue == "swiglu" else x)
 
 
 def add_rms_norm(
-    norm: RMSNorm, delta: jax.Array, x: jax.Array, backend: str, stacked: tuple[jax.Array, jax.Array] | None = None
+    norm: RMSNorm, delta: jax.Array, x: jax.Array, backend: str, stacked: tuple[jax.Array, jax.Array | int] | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """(norm(x + delta), x + delta): a residual add and the RMSNorm that reads it, as one op.
 
@@ -43,7 +76,7 @@ def add_rms_norm(
     stack of this norm's weights over all layers, the layer index): the kernel then reads the
     layer's row in place, where ``norm.weight`` (a layer slice) would be copied into a buffer of
     its own before every call."""
-    if stacked is not None:
+    if stacked is not None and stacked[0] is not None:
         weight, layer = stacked
         return fused_add_rms_norm_op(x, delta, weight, eps=norm.eps, layer=layer, backend=backend)
     return fused_add_rms_norm_op(x, delta, norm.weight[...], eps=norm.eps, backend=backend)
@@ -78,7 +111,7 @@ class Qwen3Attention(nnx.Module):
         self.q_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
 
-    def _qkv(self, x, cos, sin):
+    def _qkv(self, x, cos, sin, qkv=None):
         """x [..., d] -> q [..., Hq, D], k and v [..., Hkv, D]: q and k RMS-normed and rotated.
 
         q and k heads are normed and rotated as one [..., Hq + Hkv, D] array (q_norm's weight on
@@ -86,7 +119,7 @@ class Qwen3Attention(nnx.Module):
         passes, but one reduction and one elementwise kernel per layer instead of two each, which
         matters in a launch-bound batch-1 decode step (benchmarks/results/decode_profile_*)."""
         H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x) if qkv is None else qkv
         lead = x.shape[:-1]
         qk = qkv[..., : (H + Hk) * D].reshape(*lead, H + Hk, D)
         weight = jnp.concatenate([jnp.broadcast_to(self.q_norm.weight[...], (H, D)),
@@ -96,25 +129,28 @@ class Qwen3Attention(nnx.Module):
         return qk[..., :H, :], qk[..., H:, :], qkv[..., (H + Hk) * D :].reshape(*lead, Hk, D)
 
     def __call__(self, x, cos, sin, cache: KVCache, batch: ForwardBatch, layer, *, backend: str,
-                 kv_write_backend: str = "reference", qk_norm_stacks: tuple[jax.Array, jax.Array] | None = None):
+                 kv_write_backend: str = "reference", gemv_backend: str = "reference",
+                 stacks: LayerStacks = LayerStacks()):
         """kv_write_backend "pallas": one kernel norms and rotates q and k and writes k and v into
-        the cache straight from the qkv projection (pallas_kernels/kv_write), reading this
-        layer's norm weights from ``qk_norm_stacks`` (q_norm's and k_norm's [L, D] stacks over
-        all layers) when given; "reference": XLA."""
+        the cache straight from the qkv projection (pallas_kernels/kv_write); gemv_backend: how
+        the qkv and output projections run (``project``); "reference": XLA.  The kernels read
+        this layer's weights from ``stacks`` where it holds them."""
         T = x.shape[0]
         H, D = self.num_heads, self.head_dim
+        qkv = project(self.qkv_proj, x, gemv_backend, stacks.qkv, layer)
         if resolve_kv_write_backend(kv_write_backend, D) == "reference":
-            q, k, v = self._qkv(x, cos, sin)
+            q, k, v = self._qkv(x, cos, sin, qkv)
             out, kc, vc = paged_attention(q, k, v, cache.k, cache.v, batch, layer, sm_scale=D**-0.5, backend=backend)
-            return self.o_proj(out.reshape(T, -1)), KVCache(kc, vc)
-        if self.q_norm.eps != self.k_norm.eps:
-            raise ValueError("the kv write kernel takes one eps for the q and k norms")
-        qw, kw = (self.q_norm.weight[...], self.k_norm.weight[...]) if qk_norm_stacks is None else qk_norm_stacks
-        kc, vc, q = write_kv_from_qkv_op(cache.k, cache.v, self.qkv_proj(x), kw, cos, sin, batch.slot_mapping,
-                                         num_q_heads=H, eps=self.k_norm.eps, layer=layer, q_norm_weight=qw,
-                                         backend="pallas")
-        out = attend_paged(q, kc, vc, batch, layer, sm_scale=D**-0.5, backend=backend)
-        return self.o_proj(out.reshape(T, -1)), KVCache(kc, vc)
+        else:
+            if self.q_norm.eps != self.k_norm.eps:
+                raise ValueError("the kv write kernel takes one eps for the q and k norms")
+            qw, kw = ((self.q_norm.weight[...], self.k_norm.weight[...]) if stacks.k_norm is None
+                      else (stacks.q_norm, stacks.k_norm))
+            kc, vc, q = write_kv_from_qkv_op(cache.k, cache.v, qkv, kw, cos, sin, batch.slot_mapping,
+                                             num_q_heads=H, eps=self.k_norm.eps, layer=layer, q_norm_weight=qw,
+                                             backend="pallas")
+            out = attend_paged(q, kc, vc, batch, layer, sm_scale=D**-0.5, backend=backend)
+        return project(self.o_proj, out.reshape(T, -1), gemv_backend, stacks.o, layer), KVCache(kc, vc)
 
     def dense(self, x, cos, sin, mask):
         """Training path: x [B, L, d] without a cache; mask [B, L, L] (True = may attend);
@@ -131,9 +167,11 @@ class Qwen3MLP(nnx.Module):
         self.gate_up_proj = _linear(d, 2 * f, bias=False, dtype=dtype, rngs=rngs)
         self.down_proj = _linear(f, d, bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x):
-        gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(jax.nn.silu(gate) * up)
+    def __call__(self, x, gemv_backend: str = "reference", stacks: LayerStacks = LayerStacks(), layer=None):
+        """gemv_backend "pallas": both projections through the GEMV kernel, the SwiGLU product
+        computed inside the down projection's (``project``)."""
+        gate_up = project(self.gate_up_proj, x, gemv_backend, stacks.gate_up, layer)
+        return project(self.down_proj, gate_up, gemv_backend, stacks.down, layer, prologue="swiglu")
 
 
 class Qwen3DecoderLayer(nnx.Module):
@@ -145,20 +183,17 @@ class Qwen3DecoderLayer(nnx.Module):
 
     def __call__(
         self, x, delta, cos, sin, cache, batch, layer, *, backend: str, norm_backend: str = "reference",
-        norm_stacks=None, kv_write_backend: str = "reference", qk_norm_stacks=None,
+        kv_write_backend: str = "reference", gemv_backend: str = "reference", stacks: LayerStacks = LayerStacks(),
     ):
         """x: the residual stream before the previous layer's MLP output ``delta`` is added (zeros
         for the first layer).  Returns (x, this layer's MLP output, cache): each residual add is
         done by the norm that reads it (``add_rms_norm``), so it can be one fused kernel.
-        norm_stacks / qk_norm_stacks: None, or the [L, d] weight stacks of (input_layernorm,
-        post_attention_layernorm) / the [L, D] stacks of (q_norm, k_norm) over all layers, for
-        the Pallas kernels to index with ``layer``."""
-        stacks = (None, None) if norm_stacks is None else [(w, layer) for w in norm_stacks]
-        h, x = add_rms_norm(self.input_layernorm, delta, x, norm_backend, stacks[0])
+        stacks: the all-layer weight stacks the Pallas kernels index with ``layer``."""
+        h, x = add_rms_norm(self.input_layernorm, delta, x, norm_backend, (stacks.input_norm, layer))
         attn, cache = self.self_attn(h, cos, sin, cache, batch, layer, backend=backend,
-                                     kv_write_backend=kv_write_backend, qk_norm_stacks=qk_norm_stacks)
-        h, x = add_rms_norm(self.post_attention_layernorm, attn, x, norm_backend, stacks[1])
-        return x, self.mlp(h), cache
+                                     kv_write_backend=kv_write_backend, gemv_backend=gemv_backend, stacks=stacks)
+        h, x = add_rms_norm(self.post_attention_layernorm, attn, x, norm_backend, (stacks.post_norm, layer))
+        return x, self.mlp(h, gemv_backend, stacks, layer), cache
 
     def dense(self, x, cos, sin, mask):
         x = x + self.self_attn.dense(self.input_layernorm(x), cos, sin, mask)
@@ -198,6 +233,21 @@ class Qwen3ForCausalLM(nnx.Module):
             else _linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
         )
 
+    def _kernel_stacks(self, T: int, norm_backend: str, kv_write_backend: str, gemv_backend: str) -> LayerStacks:
+        """The weight stacks of the ops that run as Pallas kernels for T packed rows."""
+        cfg, lay = self.config, self.layers
+        out = {}
+        if resolve_norm_backend(norm_backend, cfg.hidden_size) == "pallas":
+            out.update(input_norm=lay.input_layernorm.weight[...], post_norm=lay.post_attention_layernorm.weight[...])
+        if resolve_kv_write_backend(kv_write_backend, cfg.head_dim) == "pallas":
+            out.update(q_norm=lay.self_attn.q_norm.weight[...], k_norm=lay.self_attn.k_norm.weight[...])
+        for name, linear in (("qkv", lay.self_attn.qkv_proj), ("o", lay.self_attn.o_proj),
+                             ("gate_up", lay.mlp.gate_up_proj), ("down", lay.mlp.down_proj)):
+            K, N = linear.kernel.shape[-2:]
+            if linear.bias is None and resolve_gemv_backend(gemv_backend, T, K, N) == "pallas":
+                out[name] = linear.kernel[...]
+        return LayerStacks(**out)
+
     def logits(self, h: jax.Array) -> jax.Array:
         """LM head on final-normed hidden states, in fp32."""
         if self.lm_head is None:
@@ -215,15 +265,17 @@ class Qwen3ForCausalLM(nnx.Module):
         scan_layers: bool = True,
         norm_backend: str = "reference",
         kv_write_backend: str = "reference",
+        gemv_backend: str = "reference",
     ) -> ForwardOutput:
         """scan_layers=False unrolls the layer loop (static weight slices): a larger program that
         XLA may schedule better for latency-bound decode; the result is identical.
         norm_backend: how each residual add + RMSNorm runs (``add_rms_norm``); kv_write_backend:
-        how q and k are normed and rotated and k / v written into the cache (``Qwen3Attention``)."""
-        if norm_backend not in NORM_BACKENDS:
-            raise ValueError(f"norm_backend must be one of {NORM_BACKENDS}, got {norm_backend!r}")
-        if kv_write_backend not in KV_WRITE_BACKENDS:
-            raise ValueError(f"kv_write_backend must be one of {KV_WRITE_BACKENDS}, got {kv_write_backend!r}")
+        how q and k are normed and rotated and k / v written into the cache (``Qwen3Attention``);
+        gemv_backend: how the four projections of each layer run (``project``)."""
+        for name, value in (("norm_backend", norm_backend), ("kv_write_backend", kv_write_backend),
+                            ("gemv_backend", gemv_backend)):
+            if value not in BACKENDS:
+                raise ValueError(f"{name} must be one of {BACKENDS}, got {value!r}")
         cfg = self.config
         batch = ForwardBatch(*(jnp.asarray(a) for a in batch))
         x = self.embed_tokens(batch.input_ids)
@@ -243,21 +295,15 @@ class Qwen3ForCausalLM(nnx.Module):
                 taps = taps.at[i].set(x)
 
         layer_def, layer_state = nnx.split(self.layers)
-        norm_stacks = None
-        if resolve_norm_backend(norm_backend, cfg.hidden_size) == "pallas":
-            norm_stacks = (self.layers.input_layernorm.weight[...], self.layers.post_attention_layernorm.weight[...])
-        qk_norm_stacks = None
-        if resolve_kv_write_backend(kv_write_backend, cfg.head_dim) == "pallas":
-            attn = self.layers.self_attn
-            qk_norm_stacks = (attn.q_norm.weight[...], attn.k_norm.weight[...])
+        stacks = self._kernel_stacks(x.shape[0], norm_backend, kv_write_backend, gemv_backend)
 
         def body(carry, xs):
             h, delta, kc, vc, taps = carry
             state, layer = xs
             h, delta, cache_l = nnx.merge(layer_def, state)(h, delta, cos, sin, KVCache(kc, vc), batch, layer,
                                                             backend=backend, norm_backend=norm_backend,
-                                                            norm_stacks=norm_stacks, kv_write_backend=kv_write_backend,
-                                                            qk_norm_stacks=qk_norm_stacks)
+                                                            kv_write_backend=kv_write_backend,
+                                                            gemv_backend=gemv_backend, stacks=stacks)
             if len(tap_layers):
                 slot = tap_slot[layer]
                 s = jnp.maximum(slot, 0)

@@ -1,0 +1,129 @@
+"""Small-batch projection ``y = prologue(x) @ w`` as one Pallas kernel (Triton backend).
+
+Same semantics as ``reference.gemv_reference`` (read its docstring).
+
+Why: at batch 1 an 8B decoder layer's four projections are matrix-vector products that stream
+their weights once.  XLA compiles each into a split-K Triton GEMM followed by a reduction kernel
+(three of the four in the H200 profile, ~1.3 us each plus a launch), the SwiGLU product into an
+elementwise kernel of its own, and its GEMMs stay at 70-80% of the bandwidth on the narrower
+projections (qkv 14.9 us against a 12.1 us floor, o 10.8 against 8.1;
+benchmarks/results/decode_profile_qwen3-8b_bs1_pallas_fused_53d9908.md).  This kernel has no
+split-K: each program owns ``block_n`` output columns and walks the whole K range, so nothing is
+left to reduce, and for the down projection it computes ``silu(gate) * up`` from the gate/up
+output as it loads it.
+
+Design:
+
+* Grid ``(N / block_n,)``.  Program ``j`` keeps a ``[block_m, block_n]`` fp32 accumulator and
+  loops over K in ``block_k`` steps: load the ``[block_m, block_k]`` activation tile (rows past
+  M masked), the ``[block_k, block_n]`` weight tile, one tensor-core dot.  ``num_stages`` keeps
+  several weight tiles in flight per program, which is what a bandwidth-bound loop needs.
+  ``block_m`` is M padded to a power of two, at least 16 (Triton's smallest dot); the kernel takes
+  M <= ``MAX_M`` (the decode batches it is for).
+* Stacked weights: ``w`` may be the ``[L, K, N]`` stack of all layers with ``layer`` a scalar,
+  read in place (a layer slice handed to a custom call is copied into a buffer of its own by XLA
+  first -- 50-200 MB per projection here).
+* ``prologue="swiglu"``: the activation tile is ``silu(g) * u`` from the two halves of the
+  ``[M, 2K]`` gate/up output, rounded to the activation dtype op by op as the model's jnp does.
+* Tile sizes and ``num_warps`` / ``num_stages`` come from ``block_config`` and are passed to the
+  Triton compiler explicitly (jax 0.10.2 and 0.11.x both lower them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.gemv.reference import check_shapes
+
+MAX_M = 64
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def block_config(M: int, K: int, N: int, *, block_n: int | None = None, block_k: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None) -> GemvConfig:
+    """Tiles for an [M, K] x [K, N] product (static shapes).  Defaults: 64-column, 128-deep
+    tiles, 4 warps, 4 stages (three weight tiles in flight); NOT yet tuned on the GPU
+    (benchmarks/bench_gemv.py --tune sweeps them)."""
+    bn = block_n or 64
+    bk = block_k or 128
+    return GemvConfig(max(16, _next_pow2(M)), min(bn, _next_pow2(N)), min(bk, _next_pow2(K)),
+                      num_warps or 4, num_stages or 4)
+
+
+def kernel_supports(M: int, K: int, N: int, cfg: GemvConfig | None = None) -> bool:
+    """M <= MAX_M, and the tiles divide K and N exactly (no masked weight tiles)."""
+    cfg = cfg or block_config(M, K, N)
+    return 1 <= M <= MAX_M and K % cfg.block_k == 0 and N % cfg.block_n == 0 and min(cfg.block_k, cfg.block_n) >= 16
+
+
+def _kernel(layer_ref, x_ref, w_ref, o_ref, *, M: int, K: int, cfg: GemvConfig, stacked: bool, prologue: str):
+    BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
+    j = pl.program_id(0)
+    rows = lax.iota(jnp.int32, BM)
+    cols = j * BN + lax.iota(jnp.int32, BN)
+    row_ok = (rows < M)[:, None]
+    w_lead = (layer_ref[0],) if stacked else ()
+
+    def activation(kk):
+        if prologue == "none":
+            return pltriton.load(x_ref.at[rows[:, None], kk[None, :]], mask=row_ok, other=0)
+        gate = pltriton.load(x_ref.at[rows[:, None], kk[None, :]], mask=row_ok, other=0)
+        up = pltriton.load(x_ref.at[rows[:, None], K + kk[None, :]], mask=row_ok, other=0)
+        # jax.nn.silu(g) * u in the activation dtype: silu = g * sigmoid(g), each op rounded
+        g = gate.astype(jnp.float32)
+        sig = (1.0 / (1.0 + jnp.exp(-g))).astype(gate.dtype)
+        silu = (g * sig.astype(jnp.float32)).astype(gate.dtype)
+        return (silu.astype(jnp.float32) * up.astype(jnp.float32)).astype(gate.dtype)
+
+    def body(i, acc):
+        kk = i * BK + lax.iota(jnp.int32, BK)
+        x = activation(kk)
+        w = pltriton.load(w_ref.at[(*w_lead, kk[:, None], cols[None, :])])
+        return acc + lax.dot_general(x.astype(w.dtype), w, (((1,), (0,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+
+    acc = lax.fori_loop(0, K // BK, body, jnp.zeros((BM, BN), jnp.float32))
+    pltriton.store(o_ref.at[rows[:, None], cols[None, :]], acc.astype(o_ref.dtype), mask=row_ok)
+
+
+@functools.partial(jax.jit, static_argnames=("prologue", "block_n", "block_k", "num_warps", "num_stages",
+                                             "interpret"))
+def gemv(x: jax.Array, w: jax.Array, *, layer: jax.Array | int | None = None, prologue: str = "none",
+         block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+         num_stages: int | None = None, interpret: bool = False) -> jax.Array:
+    """Pallas (Triton backend) version of ``gemv_reference``: same arguments and result."""
+    M, K, N = check_shapes(x, w, layer, prologue)
+    cfg = block_config(M, K, N, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+    if not kernel_supports(M, K, N, cfg):
+        raise ValueError(f"the gemv kernel takes M <= {MAX_M} and tiles dividing K and N; got M={M}, K={K}, "
+                         f"N={N}, {cfg} (use the reference)")
+    stacked = layer is not None
+    layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+    kernel = functools.partial(_kernel, M=M, K=K, cfg=cfg, stacked=stacked, prologue=prologue)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((M, N), x.dtype),
+        grid=(N // cfg.block_n,),
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name=f"gemv_{prologue}_m{cfg.block_m}_n{cfg.block_n}_k{cfg.block_k}",
+    )(layer_arr, x, w)
