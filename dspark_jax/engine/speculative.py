@@ -151,13 +151,15 @@ class SpeculativeEngine(Engine):
         # The steps take both states as flat leaf lists (engine/flat_state.py: cheaper dispatch).
         self.state_args, state_defs = flatten_states(self.target_state, self.drafter_state)
         backend = self.backend
-        # the plain engine's execution options apply to the speculative steps too (unrolled loops
-        # and the fused kernels on the GPU)
+        # the plain engine's execution options apply to the speculative steps too: the fused
+        # kernels, and on the GPU unrolled loops for the rounds (prefill keeps its scans, as the
+        # plain engine's does: compute-bound, and each unrolled executable compiles ~2-4x longer)
         opts = dict(backend=backend, unroll=self.unroll_decode,
                     target_options=(("scan_layers", not self.unroll_decode), ("norm_backend", self.norm_backend),
                                     ("kv_write_backend", self.kv_write_backend), ("gemv_backend", self.ec.gemv_backend)))
+        prefill_opts = dict(opts, unroll=False, target_options=(("scan_layers", True),) + opts["target_options"][1:])
         self._prefill_jit = jax.jit(
-            with_flat_states(functools.partial(prefill_step, self.target_def, self.drafter_def, **opts),
+            with_flat_states(functools.partial(prefill_step, self.target_def, self.drafter_def, **prefill_opts),
                              state_defs), donate_argnums=(2, 3))
         self._spec_jit = {}
         for mode in MODES:

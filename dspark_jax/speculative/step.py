@@ -18,7 +18,7 @@ Both steps take the target's execution options as ``target_options`` (a hashable
 ``kv_write_backend``) and ``unroll`` for the drafter's loops.  On the GPU the engine unrolls
 every loop, as the plain engine's decode step does: an XLA while loop there is driven from the
 host one iteration at a time, and a speculative round runs several (target layers, drafter
-layers, the gamma sampling steps, the context extension).
+layers, the gamma sampling steps, the context extension).  Prefill keeps its scans.
 
 Random keys are derived per request from (seed, anchor position), so outputs do not depend on
 batch composition.
