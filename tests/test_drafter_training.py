@@ -59,6 +59,15 @@ def test_blocks_labels_eval_mask_and_padding_by_hand():
     assert b.eval_mask[4].tolist() == [True, False, False]
     # Padding anchors: no valid slot, no token of the row as input.
     assert not b.eval_mask[5:].any() and b.input_ids[5].tolist() == [0, M, M] and not b.anchor_valid[5:].any()
+    assert not b.stop_mask.any()  # no stop slots without eos ids
+    # With eos id 2: the slot after a scored eos label is a stop slot, its previous token that eos
+    # (a = 4: slot 2; a = 5: slot 1); a = 3 scores the eos in its last slot, and a = 9's sample
+    # ends on 22, not an eos, so neither has one.
+    s = build_blocks(TOKENS, POS, SEGS, LOSS, index, valid, block_size=3, mask_token_id=M, eos_ids=(2,))
+    assert s.stop_mask[:5].tolist() == [[False] * 3, [False] * 3, [False, False, True], [False, True, False],
+                                        [False] * 3]
+    assert s.prev_ids[2][2] == s.prev_ids[3][1] == 2 and s.stop_mask.sum() == 2
+    assert all(np.array_equal(getattr(s, f), getattr(b, f)) for f in b._fields if f != "stop_mask")
 
 
 def test_eval_mask_is_prefix_contiguous_and_stops_at_the_row_end():
@@ -452,6 +461,28 @@ def test_head_only_greedy_fine_tune_moves_only_the_confidence_head(target_dir, d
     assert bce(evals[-1]) < 0.9 * bce(evals[0])
     for k in ("tau_greedy", "tau_probabilistic"):  # the drafts themselves did not change
         assert evals[-1]["val"]["math"][k] == pytest.approx(evals[0]["val"]["math"][k], abs=1e-6)
+
+
+def test_stop_label_teaches_the_head_that_nothing_follows_an_eos(target_dir, data_dir, drafter_run, tmp_path):
+    """--stop-label: training batches carry the slot after each scored end-of-sequence label, and
+    a head-only fine-tune drives the head's confidence there towards 0 (it never saw such a slot
+    before); held-out metrics have no stop slots."""
+    from training.drafter.__main__ import main
+    from training.drafter.loop import train_drafter
+
+    run, _ = drafter_run
+    main(["export", "--run", str(run), "--best", "--out", str(tmp_path / "start"), "--dtype", "float32"])
+    tc = DrafterTrainConfig(**{**TINY.to_json(), "steps": 60, "eval_every": 60, "log_every": 10,
+                               "learning_rate": 1e-2, "init_from": str(tmp_path / "start"),
+                               "trainable": "confidence", "stop_label": True})
+    train_drafter(target_dir, data_dir, tmp_path / "ft", tc, progress=False)
+    train = _records(tmp_path / "ft", "train")
+    assert all(r["stop_slots"] > 0 for r in train)
+    first, last = train[0]["stop_confidence"], train[-1]["stop_confidence"]
+    # observed 0.66 -> 0.49 over 60 steps (stop slots are one per finished sample, weighted by
+    # their position's decay)
+    assert last < 0.85 * first, (first, last)
+    assert all(v["stop_slots"] == 0 for v in _records(tmp_path / "ft", "eval")[-1]["val"].values())
 
 
 def test_head_only_training_needs_a_matching_start(target_dir, data_dir, drafter_run, tmp_path):

@@ -20,6 +20,8 @@
 #      in the next command, then install the folder as dspark_jax/assets/default-dspark.
 #
 # TRAIN_BUDGET and STS_BUDGET split the ten minutes; DATA_TIME bounds the self-distillation data.
+# TRAIN_EXTRA adds trainer options, e.g. TRAIN_EXTRA="--stop-label true" (label 0 at the slot after
+# a response's end-of-sequence token; training/drafter/anchors.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/finetune-head-out}

@@ -20,6 +20,12 @@ Block of anchor a, block size G, k = 0..G-1:
                                              so its logits supervise slot k
     eval_mask     a+k+1 < L, loss_mask[a+k+1], same sample -- then made prefix-contiguous, since
                   a draft after an unscoreable one can never be accepted
+    stop_mask     (with ``eos_ids``) the slot right after a scored slot whose label ends the
+                  sample with an end-of-sequence id: its previous token is that EOS, nothing
+                  drafted after it can ever be committed, so its confidence label is 0.  Without
+                  it the head never sees a position past a response's end, and at inference it is
+                  over-confident exactly there (the final rounds of the CPU STS recording:
+                  10-35% ECE after STS, benchmarks/results/session_2026-12-01_summary.md).
 
 Indices past the end of the row are clamped; their eval_mask is 0, so they never count.
 """
@@ -42,6 +48,7 @@ class Blocks(NamedTuple):
     prev_ids: np.ndarray  # int32 y_{a+k} (pad past the first unscoreable slot)
     target_index: np.ndarray  # int32 a + k, clamped to the row
     eval_mask: np.ndarray  # bool, prefix-contiguous
+    stop_mask: np.ndarray  # bool, the first slot after a scored end-of-sequence label (at most one)
 
 
 def candidate_anchors(loss_mask: np.ndarray, segment_ids: np.ndarray | None = None) -> np.ndarray:
@@ -66,7 +73,7 @@ def sample_anchors(candidates: np.ndarray, num_anchors: int, rng: np.random.Gene
 
 
 def build_blocks(tokens, positions, segment_ids, loss_mask, anchor_index, anchor_valid, *, block_size: int,
-                 mask_token_id: int, pad_id: int = 0) -> Blocks:
+                 mask_token_id: int, pad_id: int = 0, eos_ids: tuple[int, ...] = ()) -> Blocks:
     """The blocks of one row ([L] arrays) for anchors anchor_index / anchor_valid ([N])."""
     tokens, positions, segment_ids = (np.asarray(x, np.int32) for x in (tokens, positions, segment_ids))
     loss_mask = np.asarray(loss_mask, bool)
@@ -81,18 +88,22 @@ def build_blocks(tokens, positions, segment_ids, loss_mask, anchor_index, anchor
     # Slot k's previous token is y_{a+k}: the anchor itself, then the label of slot k-1.
     prev_known = np.concatenate([valid[:, None], eval_mask[:, :-1]], axis=1)
     prev_ids = np.where(prev_known, tokens[cur_c], pad_id).astype(np.int32)
+    # the slot after a scored label that is the sample's last token and an EOS id
+    prev_scored = np.concatenate([np.zeros((len(a), 1), bool), eval_mask[:, :-1]], axis=1)
+    stop_mask = prev_scored & ~eval_mask & np.isin(tokens[cur_c], np.asarray(eos_ids, np.int32))
     input_ids = np.full((len(a), G), mask_token_id, np.int32)
     input_ids[:, 0] = np.where(valid, tokens[a], pad_id)
     block_positions = (positions[a][:, None] + np.arange(G, dtype=np.int32)).astype(np.int32)
-    return Blocks(a, valid, input_ids, block_positions, labels, prev_ids, cur_c.astype(np.int32), eval_mask)
+    return Blocks(a, valid, input_ids, block_positions, labels, prev_ids, cur_c.astype(np.int32), eval_mask,
+                  stop_mask)
 
 
 def row_blocks(tokens, positions, segment_ids, loss_mask, *, num_anchors: int, block_size: int, mask_token_id: int,
-               rng: np.random.Generator, pad_id: int = 0) -> Blocks:
+               rng: np.random.Generator, pad_id: int = 0, eos_ids: tuple[int, ...] = ()) -> Blocks:
     """Sample a row's anchors and build their blocks in one call."""
     index, valid = sample_anchors(candidate_anchors(loss_mask, segment_ids), num_anchors, rng)
     return build_blocks(tokens, positions, segment_ids, loss_mask, index, valid, block_size=block_size,
-                        mask_token_id=mask_token_id, pad_id=pad_id)
+                        mask_token_id=mask_token_id, pad_id=pad_id, eos_ids=eos_ids)
 
 
 def stack_blocks(blocks: list[Blocks]) -> Blocks:

@@ -34,6 +34,9 @@ class DrafterTrainConfig:
     # (its architecture must match) instead of a random init.  --init-from D --trainable confidence
     # --confidence-label greedy fine-tunes the head of a trained drafter for T=0 (losses.py).
     confidence_label: str = "soft"
+    # also train the confidence head on label 0 at the slot after a response's end-of-sequence
+    # token (training/drafter/anchors.py stop_mask): past an accepted EOS nothing is committed
+    stop_label: bool = False
     trainable: str = "all"
     init_from: str | None = None
     # optimisation

@@ -76,11 +76,13 @@ class BlockGeometry(NamedTuple):
     block_size: int
     mask_token_id: int
     pad_id: int = 0
+    eos_ids: tuple[int, ...] = ()  # non-empty: blocks carry stop slots (anchors.py)
 
 
 def make_batch(rows: list[Row], geo: BlockGeometry, rngs: list[np.random.Generator]) -> Batch:
     blocks = [row_blocks(*r, num_anchors=geo.num_anchors, block_size=geo.block_size,
-                         mask_token_id=geo.mask_token_id, rng=rng, pad_id=geo.pad_id) for r, rng in zip(rows, rngs)]
+                         mask_token_id=geo.mask_token_id, rng=rng, pad_id=geo.pad_id, eos_ids=geo.eos_ids)
+              for r, rng in zip(rows, rngs)]
     return Batch(stack_rows(rows), stack_blocks(blocks))
 
 

@@ -93,7 +93,9 @@ def train_drafter(target_dir: Path | str, data_dir: Path | str, run_dir: Path | 
     metrics_path = run_dir / METRICS_FILE
 
     geo = BlockGeometry(tc.seq_len, tc.num_anchors, dcfg.block_size, dcfg.mask_token_id, tcfg.pad_token_id or 0)
-    sampler = TrainBatches(load_samples(data_dir / "train"), geo, batch_size=tc.batch_size, seed=tc.seed)
+    # stop slots in the training batches only: held-out figures stay comparable across runs
+    train_geo = geo._replace(eos_ids=tuple(tcfg.eos_token_ids)) if tc.stop_label else geo
+    sampler = TrainBatches(load_samples(data_dir / "train"), train_geo, batch_size=tc.batch_size, seed=tc.seed)
     eval_bs = tc.eval_batch_size or tc.batch_size
     val = workload_sets(load_samples(data_dir / "validation"), geo, max_rows=tc.eval_max_rows, batch_size=eval_bs,
                         seed=tc.seed) if has_val else {}

@@ -31,7 +31,7 @@ from flax import nnx
 
 from dspark_jax.config import Qwen3Config
 from dspark_jax.drafter.config import DSparkConfig
-from dspark_jax.drafter.losses import CE_WEIGHT, CONF_WEIGHT, L1_WEIGHT, dspark_loss, position_weights
+from dspark_jax.drafter.losses import CE_WEIGHT, CONF_WEIGHT, DECAY, L1_WEIGHT, dspark_loss, position_weights
 from dspark_jax.drafter.model import DSparkDrafter, block_visibility_mask
 from dspark_jax.models.qwen3 import forward_dense
 from training.drafter.config import TRAINABLE, DrafterTrainConfig
@@ -97,13 +97,19 @@ def block_sums(dparams: dict, tparams: dict, batch, dcfg: DSparkConfig, tcfg: Qw
         target_logits = target.logits(rows.reshape(B, c, G, d))
         terms = dspark_loss(logits, target_logits, b.labels, z, b.eval_mask, confidence_label=confidence_label)
         w = position_weights(b.eval_mask)
+        # stop slots (after an end-of-sequence label): BCE against 0, weighted like their position
+        stop_w = b.stop_mask * jnp.exp(-jnp.arange(G, dtype=jnp.float32) / DECAY)
+        zf = z.astype(jnp.float32)
+        stop_bce = (stop_w * (jnp.maximum(zf, 0) + jnp.log1p(jnp.exp(-jnp.abs(zf))))).sum()
         scored = (w > 0).astype(jnp.float32)
         valid = scored[..., 0]
         wsum = w.sum()
         match = (jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)).astype(jnp.float32) * scored
         survival = jnp.cumprod(jax.nn.sigmoid(z) * scored, axis=-1)
         return {
-            "weight": wsum, "ce": terms.ce * wsum, "l1": terms.l1 * wsum, "bce": terms.bce * wsum,
+            "weight": wsum, "ce": terms.ce * wsum, "l1": terms.l1 * wsum, "bce": terms.bce * wsum + stop_bce,
+            "stop_slots": b.stop_mask.sum().astype(jnp.float32),
+            "stop_confidence": (jax.nn.sigmoid(zf) * b.stop_mask).sum(),
             "blocks": valid.sum(), "tau": terms.tau_probabilistic * valid.sum(),
             "tau_greedy": (valid * (1.0 + jnp.cumprod(match, axis=-1).sum(-1))).sum(),
             "tau_predicted": (valid * (1.0 + survival.sum(-1))).sum(),
@@ -135,7 +141,9 @@ def summarize(sums: dict) -> dict:
     expected acceptance length of sampling verification); tau_greedy: 1 + the number of leading
     drafts whose argmax equals the target's argmax (T=0, teacher-forced on the data's prefix);
     tau_predicted: the same from the confidence head's sigmoid(z); per-position rates are means
-    over scored slots (accept_rate: c*, greedy_accept: argmax agreement, confidence: sigmoid(z))."""
+    over scored slots (accept_rate: c*, greedy_accept: argmax agreement, confidence: sigmoid(z)).
+    The BCE sum includes the stop slots' terms (label 0) while ``weight`` counts scored slots only,
+    so stop slots add to the loss without diluting the other terms."""
     s = {k: np.asarray(v, np.float64) for k, v in sums.items()}
     w, blocks, scored = max(float(s["weight"]), 1e-9), max(float(s["blocks"]), 1.0), np.maximum(s["scored"], 1.0)
     return {
@@ -147,6 +155,10 @@ def summarize(sums: dict) -> dict:
         "greedy_accept": (s["greedy_accept"] / scored).round(5).tolist(),
         "confidence": (s["confidence"] / scored).round(5).tolist(),
         "blocks": int(s["blocks"]),
+        # slots after an end-of-sequence label (training batches with stop_label only) and the
+        # head's mean confidence there, which the stop label drives towards 0
+        "stop_slots": int(s["stop_slots"]),
+        "stop_confidence": round(float(s["stop_confidence"] / max(float(s["stop_slots"]), 1.0)), 5),
     }
 
 
