@@ -194,6 +194,10 @@ def test_level_correction_learns_from_every_read_round_and_stays_lossless(pair, 
     assert pred[0] == table[0] and np.any(pred != table)  # no offset before the first read round
     summ = eng.summary()["step_time"]
     assert summ["table_mean_s"] == pytest.approx(table.mean())
+    # per predicted round: the tokens it committed and whether it ran overlapped
+    ctx = np.asarray(eng.stats["round_context"])
+    assert len(ctx) == len(pred) and ctx[:, 0].sum() == sum(len(g.token_ids) for g in got) - len(got)
+    assert not ctx[0, 1] and ctx[:, 1].any()  # the first round had nothing in flight; later ones did
 
 
 def test_compact_and_cap_accept_commit_identical_tokens(pair):

@@ -98,6 +98,7 @@ class _Round:
     tier: int
     predicted_s: float | None
     dispatched_at: float
+    overlapped: bool  # dispatched while another round was in flight (steady state)
 
 
 class SpeculativeEngine(Engine):
@@ -176,7 +177,11 @@ class SpeculativeEngine(Engine):
         self._slot_of: dict[str, int] = {}
         self._slot_gen = np.full(self.ec.max_running_requests, -1, np.int64)
         self._gen_counter = 0
-        self.stats = new_round_stats("predicted_step_s", "table_step_s", "measured_step_s", "round_log")
+        # round_context: (tokens committed, overlapped) of each round with a prediction, beside
+        # predicted / table / measured, so a prediction error can be traced to what the table
+        # cannot see (rounds committing many tokens; rounds after a drain, run without overlap)
+        self.stats = new_round_stats("predicted_step_s", "table_step_s", "measured_step_s", "round_context",
+                                     "round_log")
         from dspark_jax.calibration.metrics import ConfidenceMetricsAccumulator
 
         # Online calibration of the confidence head, where labels are uncensored (full-block verify).
@@ -326,7 +331,7 @@ class SpeculativeEngine(Engine):
                                            self.sts_temperatures)
         for x in jax.tree.leaves((out[:7], out.estimate)):  # what _read needs; the fed arrays stay on device
             x.copy_to_host_async()
-        return _Round(reqs, out, slots, generations, step, K, T, predicted, t0)
+        return _Round(reqs, out, slots, generations, step, K, T, predicted, t0, prev is not None)
 
     def _read(self, rnd: _Round):
         """Read a dispatched round (the one host sync per round) and commit its tokens."""
@@ -368,6 +373,8 @@ class SpeculativeEngine(Engine):
             events.append((r, committed))
             if r.status is Status.FINISHED:
                 self._slot_of.pop(r.id, None)
+        if rnd.predicted_s is not None:
+            self.stats["round_context"].append((sum(len(c) for c in commits), rnd.overlapped))
         if self._recorder is not None:  # after the commit: a row knows whether its request ended here
             final = np.array([r.status is Status.FINISHED for r in rnd.reqs])[alive]
             self._recorder.add(out.confidence_logits[:bs][alive], out.block_accept[:bs][alive], final)

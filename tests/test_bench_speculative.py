@@ -1,0 +1,48 @@
+"""bench_speculative's per-cell accounting on a fake engine: medians, relative errors, and the
+per-round record that traces a prediction error (no model, no timing claims)."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+from benchmarks.bench_speculative import run_cell
+
+
+class _Result:
+    def __init__(self):
+        self.token_ids = [5, 6, 7]
+        self.stats = {"spec": {"accept_lens": [2, 1], "window": 4.0}}
+
+
+class _FakeEngine:
+    """Each generate call 'reads' three rounds: predicted 1, 2, 3 ms; table 1 ms; measured
+    2, 2, 4 ms; committing 1, 2, 3 tokens; the first not overlapped."""
+
+    def __init__(self):
+        keys = ("predicted_step_s", "table_step_s", "measured_step_s", "round_context")
+        self.stats = {k: collections.deque(maxlen=100) for k in keys}
+
+    def generate(self, prompts, params):
+        for i, meas in enumerate((2e-3, 2e-3, 4e-3)):
+            self.stats["predicted_step_s"].append((i + 1) * 1e-3)
+            self.stats["table_step_s"].append(1e-3)
+            self.stats["measured_step_s"].append(meas)
+            self.stats["round_context"].append((i + 1, i > 0))
+        return [_Result() for _ in prompts]
+
+
+def test_step_time_accounting_and_per_round_record():
+    cell = run_cell({"compact+table": _FakeEngine()}, [["a"]], max_new=8, repeats=2)["compact+table"]
+    # the warm-up pass is cleared; two timed passes of three rounds remain
+    rounds = cell["step_rounds"]
+    assert rounds["committed"] == [1, 2, 3] * 2 and rounds["overlapped"] == [False, True, True] * 2
+    assert rounds["measured_s"] == [2e-3, 2e-3, 4e-3] * 2
+    assert cell["step_predicted_ms"] == pytest.approx(2.0) and cell["step_measured_ms"] == pytest.approx(2.0)
+    # relative errors 0.5, 0, 0.25 per pass: median 0.25; overlapped rounds only: 0, 0.25 -> 0.125
+    assert cell["step_median_rel_error"] == pytest.approx(0.25)
+    assert cell["step_median_rel_error_overlapped"] == pytest.approx(0.125)
+    assert cell["step_table_median_rel_error"] == pytest.approx(np.median([0.5, 0.5, 0.75]))
+    assert cell["tokens"] == 3 and cell["accept_length"] == pytest.approx(1.5)
