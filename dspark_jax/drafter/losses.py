@@ -41,6 +41,11 @@ class LossTerms(NamedTuple):
     accept_rate: jax.Array  # [gamma] weighted mean c* per position
 
 
+def bce_with_logits(z: jax.Array, target) -> jax.Array:
+    """Elementwise binary cross-entropy of logits z against target probabilities (stable form)."""
+    return jnp.maximum(z, 0) - z * target + jnp.log1p(jnp.exp(-jnp.abs(z)))
+
+
 def position_weights(eval_mask: jax.Array, decay: float = DECAY) -> jax.Array:
     """eval_mask [..., gamma] bool -> prefix-contiguous mask times exp(-k / decay)."""
     prefix = jnp.cumprod(eval_mask.astype(jnp.float32), axis=-1)
@@ -82,7 +87,7 @@ def dspark_loss(
     target = label
     if confidence_label == "greedy":
         target = (jnp.argmax(draft_logits, -1) == jnp.argmax(target_logits, -1)).astype(jnp.float32)
-    bce = jnp.maximum(z, 0) - z * target + jnp.log1p(jnp.exp(-jnp.abs(z)))  # BCE-with-logits, stable
+    bce = bce_with_logits(z, target)
     terms = (mean(ce), mean(l1), mean(bce))
     loss = sum(a * t for a, t in zip(weights, terms))
     valid = (w[..., 0] > 0).astype(jnp.float32)

@@ -214,6 +214,17 @@ class Engine:
         self._release_finished()
         return events
 
+    def draft_step_options(self, prefill: bool) -> dict:
+        """Keyword options of the speculative engines' jitted steps (speculative/step.py,
+        speculative/mtp_step.py), from this engine's own execution settings: the fused kernels,
+        and on the GPU unrolled loops for the rounds.  Prefill keeps its scans, as this engine's
+        prefill does (compute-bound, once per request, and an unrolled executable compiles
+        ~2-4x longer)."""
+        unroll = self.unroll_decode and not prefill
+        return dict(backend=self.backend, unroll=unroll,
+                    target_options=(("scan_layers", not unroll), ("norm_backend", self.norm_backend),
+                                    ("kv_write_backend", self.kv_write_backend), ("gemv_backend", self.ec.gemv_backend)))
+
     def _release_finished(self) -> None:
         """Give finished requests' slots and KV pages back and forget them."""
         for req in self.scheduler.release_finished():

@@ -63,18 +63,15 @@ class MTPEngine(Engine):
         self.drafter_def, self.drafter_state = nnx.split(drafter)
         # The steps take both states as flat leaf lists (engine/flat_state.py: cheaper dispatch).
         self.state_args, state_defs = flatten_states(self.target_state, self.drafter_state)
-        # the plain engine's execution options, as in the DSpark engine (speculative.py), so the two
-        # arms compare on equal terms
-        opts = dict(backend=self.backend, unroll=self.unroll_decode,
-                    target_options=(("scan_layers", not self.unroll_decode), ("norm_backend", self.norm_backend),
-                                    ("kv_write_backend", self.kv_write_backend), ("gemv_backend", self.ec.gemv_backend)))
-        prefill_opts = dict(opts, unroll=False, target_options=(("scan_layers", True),) + opts["target_options"][1:])
+        # the same execution options as the DSpark engine's steps, so the two arms compare evenly
         self._prefill_jit = jax.jit(
-            with_flat_states(functools.partial(mtp_prefill_step, self.target_def, self.drafter_def, **prefill_opts),
+            with_flat_states(functools.partial(mtp_prefill_step, self.target_def, self.drafter_def,
+                                               **self.draft_step_options(prefill=True)),
                              state_defs), donate_argnums=(2, 3, 4))
         self._spec_jit = jax.jit(
             with_flat_states(functools.partial(mtp_spec_step, self.target_def, self.drafter_def,
-                                               page_size=self.pool.page_size, **opts), state_defs),
+                                               page_size=self.pool.page_size, **self.draft_step_options(prefill=False)),
+                             state_defs),
             donate_argnums=(2, 3, 4), static_argnames=("num_tokens",))
         self._compiled: dict = {}
         self._slot_of: dict[str, int] = {}

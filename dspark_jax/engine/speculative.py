@@ -151,22 +151,16 @@ class SpeculativeEngine(Engine):
         self.drafter_def, self.drafter_state = nnx.split(drafter)
         # The steps take both states as flat leaf lists (engine/flat_state.py: cheaper dispatch).
         self.state_args, state_defs = flatten_states(self.target_state, self.drafter_state)
-        backend = self.backend
-        # the plain engine's execution options apply to the speculative steps too: the fused
-        # kernels, and on the GPU unrolled loops for the rounds (prefill keeps its scans, as the
-        # plain engine's does: compute-bound, and each unrolled executable compiles ~2-4x longer)
-        opts = dict(backend=backend, unroll=self.unroll_decode,
-                    target_options=(("scan_layers", not self.unroll_decode), ("norm_backend", self.norm_backend),
-                                    ("kv_write_backend", self.kv_write_backend), ("gemv_backend", self.ec.gemv_backend)))
-        prefill_opts = dict(opts, unroll=False, target_options=(("scan_layers", True),) + opts["target_options"][1:])
         self._prefill_jit = jax.jit(
-            with_flat_states(functools.partial(prefill_step, self.target_def, self.drafter_def, **prefill_opts),
+            with_flat_states(functools.partial(prefill_step, self.target_def, self.drafter_def,
+                                               **self.draft_step_options(prefill=True)),
                              state_defs), donate_argnums=(2, 3))
         self._spec_jit = {}
         for mode in MODES:
             self._spec_jit[mode] = jax.jit(
                 with_flat_states(functools.partial(spec_step, self.target_def, self.drafter_def, mode=mode,
-                                                   page_size=ps, **opts), state_defs),
+                                                   page_size=ps, **self.draft_step_options(prefill=False)),
+                             state_defs),
                 donate_argnums=(2, 3), static_argnames=("num_tokens",))
         self._compiled: dict = {}
         self._num_probes = self.estimator.max_pending if self.estimator is not None else 0

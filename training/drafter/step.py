@@ -31,7 +31,15 @@ from flax import nnx
 
 from dspark_jax.config import Qwen3Config
 from dspark_jax.drafter.config import DSparkConfig
-from dspark_jax.drafter.losses import CE_WEIGHT, CONF_WEIGHT, DECAY, L1_WEIGHT, dspark_loss, position_weights
+from dspark_jax.drafter.losses import (
+    CE_WEIGHT,
+    CONF_WEIGHT,
+    DECAY,
+    L1_WEIGHT,
+    bce_with_logits,
+    dspark_loss,
+    position_weights,
+)
 from dspark_jax.drafter.model import DSparkDrafter, block_visibility_mask
 from dspark_jax.models.qwen3 import forward_dense
 from training.drafter.config import TRAINABLE, DrafterTrainConfig
@@ -100,7 +108,7 @@ def block_sums(dparams: dict, tparams: dict, batch, dcfg: DSparkConfig, tcfg: Qw
         # stop slots (after an end-of-sequence label): BCE against 0, weighted like their position
         stop_w = b.stop_mask * jnp.exp(-jnp.arange(G, dtype=jnp.float32) / DECAY)
         zf = z.astype(jnp.float32)
-        stop_bce = (stop_w * (jnp.maximum(zf, 0) + jnp.log1p(jnp.exp(-jnp.abs(zf))))).sum()
+        stop_bce = (stop_w * bce_with_logits(zf, 0.0)).sum()
         scored = (w > 0).astype(jnp.float32)
         valid = scored[..., 0]
         wsum = w.sum()
