@@ -295,6 +295,29 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert "block size 3" in capsys.readouterr().out
 
 
+def test_cli_apply_scores_a_given_calibration_on_held_out_shards(tmp_path, capsys):
+    """--apply fits nothing: "ECE after" is the ECE of the given temperatures on these shards,
+    checked against a 15-bin ECE written out here."""
+    logits, labels = _synthetic(2500, seed=4, distortions=(2.0, 0.7, 1.5))
+    np.savez(tmp_path / "heldout.npz", logits=logits, prefix_mask=labels)
+    temps = (1.7, 0.8, 1.2)
+    StsCalibration(temps).save(tmp_path / "sts.json")
+    out = tmp_path / "report.json"
+    assert calibrate_sts.main([str(tmp_path / "heldout.npz"), "--apply", str(tmp_path / "sts.json"),
+                               "--dataset", "held-out", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["temperatures"] == list(temps) and record["applied"] == str(tmp_path / "sts.json")
+    assert "grid" not in record
+
+    survival = np.cumprod(1 / (1 + np.exp(-logits / np.array(temps))), axis=1)
+    for k in range(3):
+        bins = np.minimum((survival[:, k] * 15).astype(int), 14)
+        ece = sum(abs(survival[bins == b, k].mean() - labels[bins == b, k].mean()) * (bins == b).sum()
+                  for b in range(15) if (bins == b).any()) / len(bins)
+        assert record["ece_after"][k] == pytest.approx(ece, abs=1e-6)
+    assert "sts.json applied to" in capsys.readouterr().out
+
+
 def test_cli_breaks_calibration_down_by_group(tmp_path, capsys):
     """Two groups whose logits are shifted in opposite directions: a temperature cannot undo a
     shift, so the pooled STS fit leaves one group under-confident and (at position 1) the other

@@ -81,3 +81,24 @@ def test_greedy_confidence_label_by_hand():
     assert float(greedy.bce) != float(soft.bce)
     with pytest.raises(ValueError, match="confidence_label"):
         dspark_loss(d, t, jnp.array([[0, 1]]), z, mask, confidence_label="hard")
+
+
+def test_conditional_confidence_label_scores_only_after_a_matched_prefix():
+    # Two blocks of gamma=3, vocab 3 (argmax shown; all z = 0.3, so every BCE is a known constant):
+    #   block 0: match, miss, match  -> slots 0 and 1 scored (slot 2 sits behind a miss)
+    #   block 1: miss, match, match  -> slot 0 scored only
+    hit, miss = [0.0, 2.0, 0.0], [2.0, 0.0, 0.0]
+    t = jnp.array([[hit, hit, hit], [hit, hit, hit]])
+    d = jnp.array([[hit, miss, hit], [miss, hit, hit]])
+    z = jnp.full((2, 3), 0.3)
+    mask = jnp.ones((2, 3), bool)
+    out = dspark_loss(d, t, jnp.ones((2, 3), jnp.int32), z, mask, confidence_label="conditional")
+    e = lambda k: math.exp(-k / 4)
+    b1 = -math.log(1 / (1 + math.exp(-0.3)))  # BCE(z=0.3, label 1)
+    b0 = -math.log(1 - 1 / (1 + math.exp(-0.3)))  # BCE(z=0.3, label 0)
+    scored = e(0) * b1 + e(1) * b0 + e(0) * b0  # block 0 slots 0, 1; block 1 slot 0
+    denom = 2 * (e(0) + e(1) + e(2))  # the shared normaliser of every term
+    assert abs(float(out.bce) - scored / denom) < 1e-6
+    greedy = dspark_loss(d, t, jnp.ones((2, 3), jnp.int32), z, mask, confidence_label="greedy")
+    every = 2 * e(0) * 0 + e(0) * b1 + e(1) * b0 + e(2) * b1 + e(0) * b0 + e(1) * b1 + e(2) * b1
+    assert abs(float(greedy.bce) - every / denom) < 1e-6

@@ -336,26 +336,80 @@ def test_resume_reproduces_the_uninterrupted_run(target_dir, data_dir, drafter_r
                       progress=False)
 
 
-def test_anchor_chunks_are_exact(target_dir, data_dir, drafter_run):
-    """Blocks never see each other, so drafting them in chunks changes nothing but the float order."""
+def test_round_starts_follow_the_t0_chain_by_hand():
+    """Dense anchors, accepted counts per anchor: a round at p accepting L drafts is followed by
+    one at p + L + 1; every sample's chain starts at its first anchor; the carry continues the
+    chain across chunks."""
+    from training.drafter.step import round_starts
+
+    pos = np.array([[5, 6, 7, 8, 9, 10, 11, 12, 2, 3, 4, 0]])
+    seg = np.array([[1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 0]])
+    valid = seg > 0
+    accepted = np.array([[2, 0, 0, 1, 3, 0, 0, 0, 1, 0, 0, 0]])
+    # sample 1: 5 (+3) -> 8 (+2) -> 10 (+1) -> 11 -> 12; sample 2: 2 (+2) -> 4; the padding anchor never
+    expected = [[1, 0, 0, 1, 0, 1, 1, 1, 1, 0, 1, 0]]
+    carry = (np.full(1, -1, np.int32), np.full(1, -1, np.int32))
+    starts, _ = round_starts(pos, seg, valid, accepted, carry)
+    assert np.asarray(starts).astype(int).tolist() == expected
+    first, carry = round_starts(pos[:, :5], seg[:, :5], valid[:, :5], accepted[:, :5], carry)
+    second, _ = round_starts(pos[:, 5:], seg[:, 5:], valid[:, 5:], accepted[:, 5:], carry)
+    assert np.concatenate([first, second], 1).astype(int).tolist() == expected
+
+
+def test_round_anchors_need_dense_anchors_and_conditional_labels():
+    with pytest.raises(ValueError, match="dense anchors"):
+        DrafterTrainConfig(**{**TINY.to_json(), "confidence_anchors": "rounds", "confidence_label": "conditional"})
+    with pytest.raises(ValueError, match="dense anchors"):
+        DrafterTrainConfig(**{**TINY.to_json(), "confidence_anchors": "rounds", "num_anchors": TINY.seq_len})
+    DrafterTrainConfig(**{**TINY.to_json(), "confidence_anchors": "rounds", "num_anchors": TINY.seq_len,
+                          "anchor_chunk": 32, "confidence_label": "conditional"})
+
+
+def _trained_drafter_and_batch(target_dir, data_dir, drafter_run):
+    """(drafter config, target config, the tiny run's best params, target params, one held-out batch)."""
     from dspark_jax.checkpoint import load_model
     from training.drafter.data import eval_batches
-    from training.drafter.step import abstract_drafter_params, eval_step, target_params
+    from training.drafter.step import abstract_drafter_params, target_params
     from training.pretrain.checkpoint import best_dir, restore_params
-    from training.pretrain.parallel import data_mesh
 
     tcfg, target = load_model(target_dir, dtype="float32")
     dcfg = TINY.drafter_config(tcfg, M)
     params = restore_params(best_dir(drafter_run[0]), abstract_drafter_params(dcfg))
-    tparams = target_params(target)
     geo = BlockGeometry(TINY.seq_len, TINY.num_anchors, TINY.block_size, M)
     batch = eval_batches(load_samples(data_dir / "validation"), geo, max_rows=4, batch_size=4)[0]
+    return dcfg, tcfg, params, target_params(target), batch
+
+
+def test_anchor_chunks_are_exact(target_dir, data_dir, drafter_run):
+    """Blocks never see each other, so drafting them in chunks changes nothing but the float order."""
+    from training.drafter.step import eval_step
+    from training.pretrain.parallel import data_mesh
+
+    dcfg, tcfg, params, tparams, batch = _trained_drafter_and_batch(target_dir, data_dir, drafter_run)
     mesh = data_mesh()
     whole = eval_step(dcfg, tcfg, "float32", 16, mesh)(params, tparams, batch)
     chunked = eval_step(dcfg, tcfg, "float32", 8, mesh)(params, tparams, batch)
     assert float(whole["blocks"]) > 10
     for k in whole:
         np.testing.assert_allclose(np.asarray(chunked[k]), np.asarray(whole[k]), rtol=2e-5, atol=1e-4, err_msg=k)
+
+
+def test_head_only_gradient_is_the_full_gradients_head_part(target_dir, data_dir, drafter_run):
+    """A head-only step differentiates the confidence head alone, without rematerialising the
+    chunks; its gradient must be the head's part of the full (checkpointed) gradient."""
+    from training.drafter.step import block_sums, loss_from_sums
+
+    dcfg, tcfg, params, tparams, batch = _trained_drafter_and_batch(target_dir, data_dir, drafter_run)
+
+    def loss(p, remat):
+        return loss_from_sums(block_sums(p, tparams, batch, dcfg, tcfg, "float32", 16, "conditional", remat=remat))
+
+    full = jax.jit(jax.grad(lambda p: loss(p, True)))(params)["confidence"]
+    frozen = {k: v for k, v in params.items() if k != "confidence"}
+    head = jax.jit(jax.grad(lambda h: loss({**frozen, "confidence": h}, False)))(params["confidence"])
+    assert float(np.abs(np.asarray(full["kernel"])).max()) > 0
+    for k in full:
+        np.testing.assert_allclose(np.asarray(head[k]), np.asarray(full[k]), rtol=1e-5, atol=1e-7, err_msg=k)
 
 
 # -- drafter folders ----------------------------------------------------------------------------

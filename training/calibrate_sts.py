@@ -1,6 +1,7 @@
 """Fit STS temperatures for a DSpark drafter from recorded verify outcomes.
 
     python -m training.calibrate_sts SHARD_OR_DIR [...] --dataset NAME --out sts.json [--plot sts.png]
+    python -m training.calibrate_sts HELDOUT_SHARDS --apply sts.json --dataset NAME --out report.json
 
 Each shard is an .npz holding the raw confidence logits `logits` [n, γ] (collected with identity
 temperatures, in a verify mode that scores the whole block: static or cap-accept) and either
@@ -12,6 +13,10 @@ survival before, i.e. at identity temperatures, and after) and a reliability plo
 that say which group (workload) each row came from also get ``by_group``: ECE before / after and
 mean survival vs mean label per group and position; shards that flag each request's final round
 get the same for final vs earlier rounds (``by_round``).
+
+``--apply sts.json`` fits nothing: it scores a calibration fitted elsewhere on these shards (a
+recording of held-out prompts), so "ECE after" is the held-out ECE of that file's temperatures,
+pooled over workloads like the fit's own figures; the report JSON carries the same keys.
 """
 
 from __future__ import annotations
@@ -174,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grid-min", type=float, default=0.1)
     p.add_argument("--grid-max", type=float, default=10.0)
     p.add_argument("--grid-size", type=int, default=41)
+    p.add_argument("--apply", type=Path, help="score this calibration file on the shards instead of fitting one")
     return p
 
 
@@ -187,10 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.block_size is not None and block_size != args.block_size:
         raise SystemExit(f"shards have block size {block_size}, expected {args.block_size}")
 
-    grid = temperature_grid(args.grid_min, args.grid_max, args.grid_size)
-    fit = fit_sts(logits, labels, grid=grid, num_bins=args.bins)
+    if args.apply is not None:
+        calibration, at_grid_edge = StsCalibration.load(args.apply, block_size), []
+    else:
+        grid = temperature_grid(args.grid_min, args.grid_max, args.grid_size)
+        fit = fit_sts(logits, labels, grid=grid, num_bins=args.bins)
+        calibration, at_grid_edge = fit.calibration, fit.at_grid_edge
     before_survival = StsCalibration.identity(block_size).survival(logits)
-    after_survival = fit.calibration.survival(logits)
+    after_survival = calibration.survival(logits)
     before = confidence_metrics_by_position(before_survival, labels, args.bins)
     after = confidence_metrics_by_position(after_survival, labels, args.bins)
 
@@ -198,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         "block_size": block_size,
         "num_samples": n,
         "dataset": args.dataset,
-        "grid": {"min": args.grid_min, "max": args.grid_max, "num": args.grid_size, "spacing": "log"},
+        **({"applied": str(args.apply)} if args.apply is not None else
+           {"grid": {"min": args.grid_min, "max": args.grid_max, "num": args.grid_size, "spacing": "log"}}),
         "ece_bins": args.bins,
         **{f"{metric}_{when}": _json_floats(values[metric])
            for metric in ("ece", "auroc", "brier") for when, values in (("before", before), ("after", after))},
@@ -212,22 +223,23 @@ def main(argv: list[str] | None = None) -> int:
         record["by_round"] = metrics_by_group(np.where(final, "final", "earlier"), before_survival,
                                               after_survival, labels, args.bins)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    fit.calibration.save(args.out, record)
+    calibration.save(args.out, record)
     plot_path = args.plot or args.out.with_suffix(".png")
+    what = f"{args.apply.name} applied to" if args.apply is not None else "STS fitted on"
     plot_reliability(plot_path, before_survival, after_survival, labels, args.bins,
-                     f"STS reliability: {args.dataset} (n={n})")
+                     f"{what}: {args.dataset} (n={n})")
 
-    print(f"{n} samples, block size {block_size} -> {args.out}, {plot_path}")
+    print(f"{n} samples, block size {block_size} -> {args.out}, {plot_path}" + (f" ({what} them)"))
     print(" pos      T   ECE before  ECE after  AUROC  Brier before/after")
-    for k, t in enumerate(fit.calibration.temperatures):
+    for k, t in enumerate(calibration.temperatures):
         print(f"{k + 1:4d} {t:6.3f}   {before['ece'][k]:9.4f}  {after['ece'][k]:9.4f}  {after['auroc'][k]:5.3f}"
               f"  {before['brier'][k]:.4f}/{after['brier'][k]:.4f}")
     for name, g in [*record.get("by_group", {}).items(), *record.get("by_round", {}).items()]:
         bias = [s - y for s, y in zip(g["mean_survival_after"], g["mean_label"])]
         print(f"group {name!r} (n={g['num_samples']}): ECE after " + " ".join(f"{e:.3f}" for e in g["ece_after"])
               + " | mean survival - mean label " + " ".join(f"{b:+.3f}" for b in bias))
-    if fit.at_grid_edge:
-        print(f"warning: positions {[k + 1 for k in fit.at_grid_edge]} chose a grid-edge temperature; "
+    if at_grid_edge:
+        print(f"warning: positions {[k + 1 for k in at_grid_edge]} chose a grid-edge temperature; "
               f"consider widening --grid-min/--grid-max", file=sys.stderr)
     return 0
 

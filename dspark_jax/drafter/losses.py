@@ -19,6 +19,18 @@ mode but not their shape (and understates it where they differ only in the tail)
 trained on it stays miscalibrated at T=0 in ways one temperature per position (STS) cannot undo.
 A head fine-tuned on greedy labels (training.drafter ``--trainable confidence``) targets the
 quantity the T=0 scheduler consumes.
+
+``confidence_label="conditional"`` keeps the greedy label but scores slot k only where every
+earlier slot's draft matched (``conditional_weights``).  The scheduler multiplies the head's
+outputs, Π_{i≤k} σ(z_i), so each factor must be P(slot k accepted | slots < k accepted); a head
+trained on every slot learns the *unconditional* match rate instead, which is lower (a block
+whose early drafts are right sits in easier text), and the product comes out under-confident
+by more at every later position -- the embedded head's STS temperatures fall from 0.89 at slot 1
+to 0.25 at slot 7 trying to sharpen it back, and one temperature per slot cannot do that for
+workloads whose correlation differs.  Teacher forcing makes the conditional label exact at T=0:
+the Markov head's previous token is the ground truth, which is the draft whenever the prefix
+matched.  This is a deviation from DSpark's soft-label BCE, for the T=0 calibration that STS is
+fitted and judged on.
 """
 
 from __future__ import annotations
@@ -29,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 CE_WEIGHT, L1_WEIGHT, CONF_WEIGHT, DECAY = 0.1, 0.9, 1.0, 4.0
-CONFIDENCE_LABELS = ("soft", "greedy")
+CONFIDENCE_LABELS = ("soft", "greedy", "conditional")
 
 
 class LossTerms(NamedTuple):
@@ -53,6 +65,17 @@ def position_weights(eval_mask: jax.Array, decay: float = DECAY) -> jax.Array:
     return prefix * jnp.exp(-k / decay)
 
 
+def greedy_match(draft_logits: jax.Array, target_logits: jax.Array) -> jax.Array:
+    """1.0 where the draft's argmax equals the target's argmax (acceptance at T=0), fp32."""
+    return (jnp.argmax(draft_logits, -1) == jnp.argmax(target_logits, -1)).astype(jnp.float32)
+
+
+def conditional_weights(w: jax.Array, match: jax.Array) -> jax.Array:
+    """w [..., gamma] kept only where every earlier slot matched: exclusive cumprod of match."""
+    before = jnp.cumprod(jnp.concatenate([jnp.ones_like(match[..., :1]), match[..., :-1]], -1), axis=-1)
+    return w * before
+
+
 def soft_acceptance(draft_logits: jax.Array, target_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(L1 distance [...], detached label c* = clip(1 - L1/2, 0, 1)) at temperature 1, in fp32."""
     p = jax.nn.softmax(draft_logits.astype(jnp.float32), axis=-1)
@@ -71,10 +94,14 @@ def dspark_loss(
     weights: tuple[float, float, float] = (CE_WEIGHT, L1_WEIGHT, CONF_WEIGHT),
     decay: float = DECAY,
     confidence_label: str = "soft",
+    confidence_blocks: jax.Array | None = None,
 ) -> LossTerms:
     """draft/target logits [..., gamma, V]; labels [..., gamma] (token after each position);
-    confidence_logits and eval_mask [..., gamma].  confidence_label: "soft" (c*) or "greedy"
-    (argmax agreement) as the BCE target; the other terms and tau_probabilistic keep c*."""
+    confidence_logits and eval_mask [..., gamma].  confidence_label: "soft" (c*), "greedy"
+    (argmax agreement) or "conditional" (argmax agreement, scored only after a matched prefix) as
+    the BCE target; the other terms and tau_probabilistic keep c*.  The BCE stays a sum over its
+    scored slots divided by the same sum(w) as the other terms.  confidence_blocks [...] (0/1 per
+    block) limits the BCE to those blocks, e.g. the blocks where speculative rounds start."""
     if confidence_label not in CONFIDENCE_LABELS:
         raise ValueError(f"confidence_label must be one of {CONFIDENCE_LABELS}, got {confidence_label!r}")
     w = position_weights(eval_mask, decay)
@@ -84,11 +111,15 @@ def dspark_loss(
     ce = -jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
     l1, label = soft_acceptance(draft_logits, target_logits)
     z = confidence_logits.astype(jnp.float32)
-    target = label
-    if confidence_label == "greedy":
-        target = (jnp.argmax(draft_logits, -1) == jnp.argmax(target_logits, -1)).astype(jnp.float32)
-    bce = bce_with_logits(z, target)
-    terms = (mean(ce), mean(l1), mean(bce))
+    target, bce_w = label, w
+    if confidence_label != "soft":
+        target = greedy_match(draft_logits, target_logits)
+    if confidence_label == "conditional":
+        bce_w = conditional_weights(w, target * (w > 0))
+    if confidence_blocks is not None:
+        bce_w = bce_w * confidence_blocks[..., None]
+    bce = (bce_w * bce_with_logits(z, target)).sum() / denom
+    terms = (mean(ce), mean(l1), bce)
     loss = sum(a * t for a, t in zip(weights, terms))
     valid = (w[..., 0] > 0).astype(jnp.float32)
     prefix = jnp.where(w > 0, label, 0.0)

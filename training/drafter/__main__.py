@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None):
     p.add_argument("--max-rows", type=int)
     p.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=0, help="the anchors' seed (a run evaluates with its own seed)")
+    p.add_argument("--round-anchors", action="store_true",
+                   help="also follow T=0 rounds along each response (round_* metrics); pass --num-anchors >= --seq-len")
 
     args = parser.parse_args(argv)
     if args.command == "selfdistill":
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None):
         out = evaluate_drafter(args.target, args.drafter, args.data, split=args.split, seq_len=args.seq_len,
                                num_anchors=args.num_anchors, anchor_chunk=args.anchor_chunk,
                                batch_size=args.batch_size, max_rows=args.max_rows,
-                               compute_dtype=args.compute_dtype, seed=args.seed)
+                               compute_dtype=args.compute_dtype, seed=args.seed, round_anchors=args.round_anchors)
     print(json.dumps(out, indent=1))
     return out
 

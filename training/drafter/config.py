@@ -29,11 +29,18 @@ class DrafterTrainConfig:
     markov_rank: int = 256
     target_layer_ids: tuple[int, ...] | None = None  # None: DFlash's even spacing from layer 1 to L-3
     mask_token_id: int | None = None  # None: the target tokenizer's <|mask|> token
-    # what is learned: "soft" (DSpark's c* = 1 - L1/2) or "greedy" (argmax agreement) confidence
-    # labels; "all" parameters or only the "confidence" head; start from a drafter folder's weights
-    # (its architecture must match) instead of a random init.  --init-from D --trainable confidence
-    # --confidence-label greedy fine-tunes the head of a trained drafter for T=0 (losses.py).
+    # what is learned: "soft" (DSpark's c* = 1 - L1/2), "greedy" (argmax agreement) or
+    # "conditional" (argmax agreement, scored only behind a block prefix whose drafts all matched:
+    # the factor the scheduler's survival product needs) confidence labels; "all" parameters or
+    # only the "confidence" head; start from a drafter folder's weights (its architecture must
+    # match) instead of a random init.  --init-from D --trainable confidence --confidence-label
+    # conditional fine-tunes the head of a trained drafter for T=0 (losses.py).
     confidence_label: str = "soft"
+    # which blocks the confidence BCE scores: "all" sampled anchors, or "rounds": only the blocks
+    # where T=0 speculative rounds start on the (greedy) response -- the blocks the engine drafts,
+    # whose anchors sit right after a rejection more often than uniform anchors do.  Needs every
+    # response position as an anchor (num_anchors >= seq_len) and conditional labels.
+    confidence_anchors: str = "all"
     # also train the confidence head on label 0 at the slot after a response's end-of-sequence
     # token (training/drafter/anchors.py stop_mask): past an accepted EOS nothing is committed
     stop_label: bool = False
@@ -74,6 +81,13 @@ class DrafterTrainConfig:
             raise ValueError("anchor_chunk must be >= 1")
         if self.confidence_label not in CONFIDENCE_LABELS:
             raise ValueError(f"confidence_label must be one of {CONFIDENCE_LABELS}, got {self.confidence_label!r}")
+        if self.confidence_anchors not in CONFIDENCE_ANCHORS:
+            raise ValueError(f"confidence_anchors must be one of {CONFIDENCE_ANCHORS}, got {self.confidence_anchors!r}")
+        if self.confidence_anchors == "rounds" and (self.confidence_label != "conditional"
+                                                    or self.num_anchors < self.seq_len):
+            raise ValueError("confidence_anchors='rounds' follows T=0 rounds along every response position: it needs "
+                             "confidence_label='conditional' and num_anchors >= seq_len (dense anchors); got "
+                             f"{self.confidence_label!r}, num_anchors {self.num_anchors}, seq_len {self.seq_len}")
         if self.trainable not in TRAINABLE:
             raise ValueError(f"trainable must be one of {tuple(TRAINABLE)}, got {self.trainable!r}")
         if self.trainable != "all" and self.init_from is None:
@@ -103,6 +117,8 @@ class DrafterTrainConfig:
     def from_json(cls, d: dict) -> "DrafterTrainConfig":
         return cls(**d)
 
+
+CONFIDENCE_ANCHORS = ("all", "rounds")
 
 # Top-level parameter groups each `trainable` setting updates (None: every parameter).
 TRAINABLE = {"all": None, "confidence": ("confidence",)}

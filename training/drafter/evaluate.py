@@ -57,9 +57,14 @@ def mean_tau(metrics: dict[str, dict]) -> float:
 def evaluate_drafter(target_dir: Path | str, drafter_dir: Path | str, data_dir: Path | str, *,
                      split: str = "validation",
                      seq_len: int = 1024, num_anchors: int = 256, anchor_chunk: int = 64, batch_size: int = 8,
-                     max_rows: int | None = None, compute_dtype: str = "float32", seed: int = 0) -> dict:
+                     max_rows: int | None = None, compute_dtype: str = "float32", seed: int = 0,
+                     round_anchors: bool = False) -> dict:
     """Evaluate an exported drafter folder against its target on a self-distilled split (the
-    same rows and anchors a training run with these settings and seed evaluates on)."""
+    same rows and anchors a training run with these settings and seed evaluates on).
+    round_anchors: the round_* metrics follow T=0 rounds along each response (training.drafter.step
+    round_starts); needs num_anchors >= seq_len so that every response position is an anchor."""
+    if round_anchors and num_anchors < seq_len:
+        raise ValueError(f"round_anchors needs num_anchors >= seq_len (every position an anchor); got {num_anchors}")
     from dspark_jax.checkpoint import load_model
     from training.drafter.export import load_drafter_params
     from training.drafter.selfdistill import load_samples
@@ -75,4 +80,5 @@ def evaluate_drafter(target_dir: Path | str, drafter_dir: Path | str, data_dir: 
     params = jax.device_put(params, replicated(mesh))
     geo = BlockGeometry(seq_len, num_anchors, dcfg.block_size, dcfg.mask_token_id, tcfg.pad_token_id or 0)
     sets = workload_sets(load_samples(Path(data_dir) / split), geo, max_rows=max_rows, batch_size=batch_size, seed=seed)
-    return evaluate(eval_step(dcfg, tcfg, compute_dtype, anchor_chunk, mesh), params, tparams, sets, mesh)
+    step = eval_step(dcfg, tcfg, compute_dtype, anchor_chunk, mesh, "soft", round_anchors)
+    return evaluate(step, params, tparams, sets, mesh)

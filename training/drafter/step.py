@@ -11,6 +11,11 @@ each chunk runs the drafter backbone, the teacher-forced Markov/confidence heads
 logits at the supervising rows and the DSpark loss under ``jax.checkpoint`` inside a scan.  At
 most [B, chunk, gamma, V] logits exist at once, in the forward and in the backward.
 
+A head-only run (``trainable="confidence"``) differentiates the confidence head alone and skips the
+checkpoint: the backward then keeps only the head's small inputs per chunk instead of re-running
+every chunk's backbone and logits, so such a step costs about one forward (what makes a head
+fine-tune affordable on a CPU).
+
 Each chunk returns *sums* (weighted loss terms, weights, valid blocks, ...) so that the loss is
 the weighted mean over the whole batch, sum(w * term) / sum(w), exactly as DeepSpec normalises
 across ranks, whatever the chunking or the device count.
@@ -37,7 +42,9 @@ from dspark_jax.drafter.losses import (
     DECAY,
     L1_WEIGHT,
     bce_with_logits,
+    conditional_weights,
     dspark_loss,
+    greedy_match,
     position_weights,
 )
 from dspark_jax.drafter.model import DSparkDrafter, block_visibility_mask
@@ -79,9 +86,37 @@ def _chunks(x, B: int, N: int, c: int):
     return jnp.swapaxes(x.reshape(B, N // c, c, *x.shape[2:]), 0, 1)
 
 
+def round_starts(anchor_pos, anchor_seg, valid, accepted, carry):
+    """Which anchors start a T=0 speculative round, for anchors in row order ([B, c] each).
+
+    On a greedy response the engine's first round is anchored at the first response token, and
+    a round anchored at position p that accepts L drafts commits L + 1 tokens, so the next round
+    is anchored at p + L + 1.  With every response position an anchor (dense anchors), walking
+    that chain picks out exactly the blocks the engine drafts on that response.  ``carry`` is
+    (next round's position [B], segment of the previous anchor [B]); it is threaded through the
+    chunks so a chain continues across them.  Returns (starts [B, c] bool, carry)."""
+    def step(carry, x):
+        nxt, seg = carry
+        pos, s, v, n = x
+        start = v & ((s != seg) | (pos == nxt))  # a new sample's first anchor, or the chain's next one
+        return (jnp.where(start, pos + n + 1, nxt), jnp.where(v, s, seg)), start
+
+    carry, starts = jax.lax.scan(step, carry, (anchor_pos.T, anchor_seg.T, valid.T, accepted.T))
+    return starts.T, carry
+
+
+def _round_sums(blocks, match, survival) -> dict:
+    return {"round_blocks": blocks.sum(), "round_tau_greedy": (blocks * (1.0 + jnp.cumprod(match, -1).sum(-1))).sum(),
+            "round_tau_predicted": (blocks * (1.0 + survival.sum(-1))).sum()}
+
+
 def block_sums(dparams: dict, tparams: dict, batch, dcfg: DSparkConfig, tcfg: Qwen3Config, compute_dtype: str,
-               anchor_chunk: int, confidence_label: str = "soft") -> dict:
-    """Sums over every block of the batch (see module docstring); all fp32."""
+               anchor_chunk: int, confidence_label: str = "soft", remat: bool = True,
+               round_anchors: bool = False) -> dict:
+    """Sums over every block of the batch (see module docstring); all fp32.  remat: checkpoint each
+    chunk (needed when the backbone is differentiated, wasted when only the head is).
+    round_anchors: the confidence BCE scores only the blocks where T=0 rounds start (round_starts;
+    the batch must hold every response position as an anchor)."""
     dtype = DTYPES[compute_dtype]
     target = params_to_model(tparams, tcfg, dtype)
     drafter = drafter_from_params(dparams, dcfg, dtype)
@@ -94,8 +129,7 @@ def block_sums(dparams: dict, tparams: dict, batch, dcfg: DSparkConfig, tcfg: Qw
     c = anchor_chunk if 0 < anchor_chunk <= N and N % anchor_chunk == 0 else N
     d = hidden.shape[-1]
 
-    @jax.checkpoint
-    def chunk_sums(b):
+    def chunk_sums(b, chain):
         anchor_pos = jnp.take_along_axis(row.positions, b.anchor_index, axis=1)
         anchor_seg = jnp.take_along_axis(row.segment_ids, b.anchor_index, axis=1)
         mask = block_visibility_mask(row.positions, row.segment_ids, anchor_pos, anchor_seg, b.anchor_valid, G)
@@ -103,16 +137,27 @@ def block_sums(dparams: dict, tparams: dict, batch, dcfg: DSparkConfig, tcfg: Qw
         logits, z = drafter.teacher_forced(draft, b.prev_ids)
         rows = jnp.take_along_axis(hidden, b.target_index.reshape(B, c * G)[..., None], axis=1)
         target_logits = target.logits(rows.reshape(B, c, G, d))
-        terms = dspark_loss(logits, target_logits, b.labels, z, b.eval_mask, confidence_label=confidence_label)
         w = position_weights(b.eval_mask)
+        scored = (w > 0).astype(jnp.float32)
+        match = greedy_match(logits, target_logits) * scored
+        starts = None
+        if round_anchors:
+            accepted = jnp.cumprod(match, axis=-1).sum(-1).astype(jnp.int32)
+            starts, chain = round_starts(anchor_pos, anchor_seg, b.anchor_valid, accepted, chain)
+            starts = starts.astype(jnp.float32)
+        terms = dspark_loss(logits, target_logits, b.labels, z, b.eval_mask, confidence_label=confidence_label,
+                            confidence_blocks=starts)
         # stop slots (after an end-of-sequence label): BCE against 0, weighted like their position
+        # (with conditional labels, only behind a block whose drafts all matched up to there)
         stop_w = b.stop_mask * jnp.exp(-jnp.arange(G, dtype=jnp.float32) / DECAY)
+        if confidence_label == "conditional":
+            stop_w = conditional_weights(stop_w, match)
+        if starts is not None:
+            stop_w = stop_w * starts[..., None]
         zf = z.astype(jnp.float32)
         stop_bce = (stop_w * bce_with_logits(zf, 0.0)).sum()
-        scored = (w > 0).astype(jnp.float32)
         valid = scored[..., 0]
         wsum = w.sum()
-        match = (jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)).astype(jnp.float32) * scored
         survival = jnp.cumprod(jax.nn.sigmoid(z) * scored, axis=-1)
         return {
             "weight": wsum, "ce": terms.ce * wsum, "l1": terms.l1 * wsum, "bce": terms.bce * wsum + stop_bce,
@@ -125,16 +170,24 @@ def block_sums(dparams: dict, tparams: dict, batch, dcfg: DSparkConfig, tcfg: Qw
             "accept": terms.accept_rate * scored.reshape(-1, G).sum(0),
             "greedy_accept": match.reshape(-1, G).sum(0),
             "confidence": (jax.nn.sigmoid(z) * scored).reshape(-1, G).sum(0),
-        }
+            # the blocks where T=0 rounds start (round_anchors; else every block): their count, and
+            # their real and predicted acceptance length
+            **_round_sums(valid if starts is None else starts, match, survival),
+        }, chain
 
-    def body(total, b):
-        s = chunk_sums(b)
-        return jax.tree.map(jnp.add, total, s), None
+    if remat:
+        chunk_sums = jax.checkpoint(chunk_sums)
+
+    def body(carry, b):
+        total, chain = carry
+        s, chain = chunk_sums(b, chain)
+        return (jax.tree.map(jnp.add, total, s), chain), None
 
     chunks = jax.tree.map(lambda x: _chunks(x, B, N, c), blk)
-    zero = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32),
-                        jax.eval_shape(chunk_sums, jax.tree.map(lambda x: x[0], chunks)))
-    total, _ = jax.lax.scan(body, zero, chunks)
+    chain = (jnp.full((B,), -1, jnp.int32), jnp.full((B,), -1, jnp.int32))
+    shapes, _ = jax.eval_shape(chunk_sums, jax.tree.map(lambda x: x[0], chunks), chain)
+    zero = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
+    (total, _), _ = jax.lax.scan(body, (zero, chain), chunks)
     return total
 
 
@@ -167,6 +220,12 @@ def summarize(sums: dict) -> dict:
         # head's mean confidence there, which the stop label drives towards 0
         "stop_slots": int(s["stop_slots"]),
         "stop_confidence": round(float(s["stop_confidence"] / max(float(s["stop_slots"]), 1.0)), 5),
+        # blocks where T=0 speculative rounds start (with round anchors; else every block) and
+        # their acceptance length: greedy (what the engine would accept on these responses) and
+        # predicted by the confidence head
+        "round_blocks": int(s["round_blocks"]),
+        "round_tau_greedy": float(s["round_tau_greedy"] / max(float(s["round_blocks"]), 1.0)),
+        "round_tau_predicted": float(s["round_tau_predicted"] / max(float(s["round_blocks"]), 1.0)),
     }
 
 
@@ -177,11 +236,11 @@ def add_sums(a: dict | None, b: dict) -> dict:
 
 @functools.lru_cache(maxsize=8)
 def eval_step(dcfg: DSparkConfig, tcfg: Qwen3Config, compute_dtype: str, anchor_chunk: int, mesh,
-              confidence_label: str = "soft"):
+              confidence_label: str = "soft", round_anchors: bool = False):
     """Jitted (drafter params, target params, batch) -> block sums; shared by training runs and
     standalone evaluation with the same numerics, so neither compiles it twice."""
     sums = functools.partial(block_sums, dcfg=dcfg, tcfg=tcfg, compute_dtype=compute_dtype, anchor_chunk=anchor_chunk,
-                             confidence_label=confidence_label)
+                             confidence_label=confidence_label, round_anchors=round_anchors)
     return jax.jit(sums, out_shardings=replicated(mesh))
 
 
@@ -217,19 +276,27 @@ class DrafterSteps:
         self.tx, self.schedule = drafter_optimizer(tc)
         repl = replicated(mesh)
         self.train_step = jax.jit(self._train_step, donate_argnums=(0, 1), out_shardings=repl)
-        self.eval_step = eval_step(dcfg, tcfg, tc.compute_dtype, tc.anchor_chunk, mesh, tc.confidence_label)
+        rounds = tc.confidence_anchors == "rounds"
+        self.eval_step = eval_step(dcfg, tcfg, tc.compute_dtype, tc.anchor_chunk, mesh, tc.confidence_label, rounds)
         self.init_opt_state = jax.jit(self.tx.init, out_shardings=repl)
 
     def _sums(self, params, tparams, batch):
         return block_sums(params, tparams, batch, self.dcfg, self.tcfg, self.tc.compute_dtype, self.tc.anchor_chunk,
-                          self.tc.confidence_label)
+                          self.tc.confidence_label, remat=TRAINABLE[self.tc.trainable] is None,
+                          round_anchors=self.tc.confidence_anchors == "rounds")
 
-    def _loss(self, params, tparams, batch):
-        sums = self._sums(params, tparams, batch)
+    def _loss(self, trained, frozen, tparams, batch):
+        sums = self._sums({**frozen, **trained}, tparams, batch)
         return loss_from_sums(sums), sums
 
     def _train_step(self, params, opt_state, tparams, batch):
-        (loss, sums), grads = jax.value_and_grad(self._loss, has_aux=True)(params, tparams, batch)
+        # differentiate only the trainable groups; the others get exact zero gradients (and zero
+        # updates from the optimizer's frozen partition)
+        groups = TRAINABLE[self.tc.trainable]
+        trained = {k: v for k, v in params.items() if groups is None or k in groups}
+        frozen = {k: v for k, v in params.items() if k not in trained}
+        (loss, sums), g = jax.value_and_grad(self._loss, has_aux=True)(trained, frozen, tparams, batch)
+        grads = {k: g[k] if k in g else jax.tree.map(jnp.zeros_like, v) for k, v in params.items()}
         updates, opt_state = self.tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": loss, "grad_norm": tree_norm(grads), "sums": sums}
