@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# Fine-tune the embedded DSpark drafter's confidence head on greedy labels and refit STS for it, in
+# Fine-tune the embedded DSpark drafter's confidence head for T=0 rounds and refit STS for it, in
 # ONE device command (at most 10 minutes), carrying .data/corpus:
 #
 #   training/finetune_confidence_head.sh
 #
-# Why: the head is trained on the T=1 soft label c* = 1 - L1/2, and one temperature per position
-# (STS) leaves its T=0 calibration at 2.7-3.9% ECE (goal 2%).  Greedy labels train it on the event
-# that decides acceptance at T=0 (dspark_jax/drafter/losses.py).
+# Why: the head was trained on the T=1 soft label c* = 1 - L1/2 at uniformly sampled anchors, and
+# one temperature per position (STS) leaves its T=0 calibration at 2.4-4.6% held-out ECE (goal 2%).
+# The fine-tune trains it for what the scheduler consumes at T=0 (dspark_jax/drafter/losses.py,
+# training/drafter/step.py round_starts): conditional greedy labels (slot k scored only behind a
+# matched prefix, so the survival product is a product of the right factors), only on the blocks
+# where T=0 rounds start on greedy responses (dense anchors, so the train split is generated at
+# T=0), and label 0 at the slot after a response's end-of-sequence token.
 #
 #   1. training/train_default_drafter.sh, stages data probe train export, starting from the embedded
 #      drafter with only the confidence head trainable (every other weight stays bit-identical);
@@ -20,8 +24,8 @@
 #      in the next command, then install the folder as dspark_jax/assets/default-dspark.
 #
 # TRAIN_BUDGET and STS_BUDGET split the ten minutes; DATA_TIME bounds the self-distillation data.
-# TRAIN_EXTRA adds trainer options, e.g. TRAIN_EXTRA="--stop-label true" (label 0 at the slot after
-# a response's end-of-sequence token; training/drafter/anchors.py).
+# TRAIN_EXTRA adds trainer options.  The same recipe ran on the CPU (2 cores, ~9 s a step at batch 4,
+# 150 steps): benchmarks/results/sts_head_training_cpu_*.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/finetune-head-out}
@@ -41,8 +45,9 @@ pack() {
 trap pack EXIT
 
 BUDGET=${TRAIN_BUDGET:-330} OUT="$OUT/train" RUN="$WORK/run" DATA="$WORK/data" DATA_TIME=${DATA_TIME:-80} \
-  STAGES="data probe train export" EXPORT_FROM= \
-  TRAIN_EXTRA="--init-from $START --trainable confidence --confidence-label greedy ${TRAIN_EXTRA:-}" \
+  STAGES="data probe train export" EXPORT_FROM= TRAIN_TEMPERATURE=0 ANCHORS=${ANCHORS:-1024} \
+  TRAIN_EXTRA="--init-from $START --trainable confidence --confidence-label conditional --confidence-anchors rounds \
+    --stop-label true ${TRAIN_EXTRA:-}" \
   training/train_default_drafter.sh
 
 cp -r "$WORK/run/default-drafter" "$WORK/drafter"

@@ -44,6 +44,7 @@ STAGES=${STAGES:-mtp data probe train export}
 PER_WORKLOAD=${PER_WORKLOAD:-16000}
 VAL_PER_WORKLOAD=${VAL_PER_WORKLOAD:-100}
 DATA_TIME=${DATA_TIME:-100}
+TRAIN_TEMPERATURE=${TRAIN_TEMPERATURE:-0.7}  # the train split's sampling temperature (0: greedy responses)
 MAX_NEW=${MAX_NEW:-256}
 MAX_RUNNING=${MAX_RUNNING:-256}
 PROBE_STEPS=${PROBE_STEPS:-30}
@@ -110,7 +111,8 @@ for stage in $STAGES; do
           --split validation --per-workload "$VAL_PER_WORKLOAD" --temperature 0 --max-new-tokens "$MAX_NEW" \
           --max-running "$MAX_RUNNING" --no-progress > "$OUT/selfdistill_validation.log" 2>&1
       "$PYTHON" -m training.drafter selfdistill --target "$TARGET" --corpus "$CORPUS" --out "$DATA" \
-          --split train --per-workload "$PER_WORKLOAD" --max-new-tokens "$MAX_NEW" --max-running "$MAX_RUNNING" \
+          --split train --per-workload "$PER_WORKLOAD" --temperature "$TRAIN_TEMPERATURE" \
+          --max-new-tokens "$MAX_NEW" --max-running "$MAX_RUNNING" \
           --time-limit-s "$DATA_TIME" --no-progress > "$OUT/selfdistill_train.log" 2>&1
       tail -n 30 "$OUT/selfdistill_train.log"
       ;;
