@@ -24,7 +24,8 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.common import copy_bandwidth, environment, random_model, time_chain, time_fn, write_results
+from benchmarks.common import (add_backend_args, backend_kwargs, copy_bandwidth, environment, random_model, time_chain,
+                               time_fn, write_results)
 from dspark_jax.config import Qwen3Config
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.engine.model_runner import round_up
@@ -88,12 +89,7 @@ def main(argv=None):
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--attention-backend", default="auto")
-    ap.add_argument("--norm-backend", default="auto", help="residual add + RMSNorm: reference | pallas | auto")
-    ap.add_argument("--kv-write-backend", default="auto",
-                    help="k norm + rope + K/V cache write: reference | pallas | auto")
-    ap.add_argument("--gemv-backend", default="reference",
-                    help="the decode projections: reference (XLA) | pallas (the GEMV kernel) | auto")
+    add_backend_args(ap)
     ap.add_argument("--scan-layers", type=int, default=0, help="1: decode under lax.scan (slower on GPU)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out-dir", action="append", default=[])
@@ -107,8 +103,8 @@ def main(argv=None):
     max_len = args.prompt_len + args.new_tokens + 16
     engine = Engine(model, None, EngineConfig(
         max_running_requests=max_bs, max_model_len=max_len, page_size=16,
-        max_prefill_tokens=2048, max_prefill_seqs=16, attention_backend=args.attention_backend, norm_backend=args.norm_backend,
-        kv_write_backend=args.kv_write_backend, gemv_backend=args.gemv_backend, unroll_decode=not args.scan_layers, precompile=False))
+        max_prefill_tokens=2048, max_prefill_seqs=16, **backend_kwargs(args), unroll_decode=not args.scan_layers,
+        precompile=False))
     # Compile only the buckets this run uses (unrolled 36-layer decode steps compile slowly).
     from dspark_jax.engine.model_runner import round_up as _ru
 

@@ -36,7 +36,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import copy_bandwidth, device_us_per_call, environment, write_results  # noqa: E402
+from benchmarks.common import (copy_bandwidth, device_us_per_call, environment,  # noqa: E402
+                               exit_if_check_failed, write_results)
 from pallas_kernels.gemv import block_config, gemv, gemv_reference, kernel_supports  # noqa: E402
 
 # (name, K, N, prologue) of a Qwen3-8B layer; the down projection reads the [M, 2K] gate/up output
@@ -109,10 +110,7 @@ def main(argv=None):
     shapes = SHAPES_SMOKE if args.smoke else SHAPES_8B
     layers = 2 if args.smoke else LAYERS
     check = run_check(rng, shapes, [1, 3] if args.smoke else [1, 16, 64], args.interpret, layers)
-    if not all(c["ok"] for c in check):
-        log("CHECK FAILED: nothing timed")
-        write_results(args.name, dict(env=env, check=check, status="check failed"), "# check failed\n", args.out_dir)
-        sys.exit(2)
+    exit_if_check_failed(all(c["ok"] for c in check), args.name, env, check, args.out_dir)
     calls = 2 if args.smoke else args.calls
     bw = 1e9 if args.smoke else copy_bandwidth()
     best, tune_rows = {}, []

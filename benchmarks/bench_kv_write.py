@@ -38,7 +38,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import copy_bandwidth, count_kernels, device_us_per_call, environment, write_results  # noqa: E402
+from benchmarks.common import (copy_bandwidth, count_kernels, device_us_per_call, environment,  # noqa: E402
+                               exit_if_check_failed, write_results)
 from dspark_jax.layers.rotary import rope_cos_sin  # noqa: E402
 from pallas_kernels.kv_write import write_kv_from_qkv, write_kv_from_qkv_reference  # noqa: E402
 
@@ -147,10 +148,7 @@ def main(argv=None):
     env = environment()
     log(f"{env['device']}, jax {env['jax']}, commit {env['commit']}")
     check = run_check(rng, args.interpret, args.smoke)
-    if not all(r[x]["ok"] for r in check for x in "kvq"):
-        log("CHECK FAILED: nothing timed")
-        write_results(args.name, dict(env=env, check=check, status="check failed"), "# check failed\n", args.out_dir)
-        sys.exit(2)
+    exit_if_check_failed(all(r[x]["ok"] for r in check for x in "kvq"), args.name, env, check, args.out_dir)
     s = dict(H=4, Hk=2, D=16, L=2) if args.smoke else SHAPE_8B
     pages = 8 if args.smoke else args.pages
     rows_arg = [1, 3] if args.smoke else args.rows

@@ -9,6 +9,7 @@ import os
 import re
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -178,6 +179,40 @@ def write_results(name: str, payload: dict, table_md: str, out_dirs=()) -> list[
         (d / f"{name}.md").write_text(table_md)
         paths += [d / f"{name}.json", d / f"{name}.md"]
     return paths
+
+
+def exit_if_check_failed(ok: bool, name: str, env: dict, check, out_dirs=()) -> None:
+    """A kernel benchmark times nothing after a failed correctness check: the check's records
+    become the run's results and the process exits with status 2."""
+    if ok:
+        return
+    print("CHECK FAILED: nothing timed", flush=True)
+    write_results(name, dict(env=env, check=check, status="check failed"), "# check failed\n", out_dirs)
+    sys.exit(2)
+
+
+# EngineConfig's per-op implementation choices, as benchmark flags: (option, help)
+BACKEND_OPTIONS = (
+    ("attention_backend", "ragged paged attention: reference | pallas | auto"),
+    ("norm_backend", "residual add + RMSNorm: reference | pallas | auto"),
+    ("kv_write_backend", "q / k norm + rope + K/V cache write: reference | pallas | auto"),
+    ("gemv_backend", "the decode projections: reference (XLA) | pallas (the GEMV kernel) | auto"),
+)
+
+
+def add_backend_args(ap) -> None:
+    """--attention-backend, --norm-backend, --kv-write-backend, --gemv-backend, defaulting to
+    what the engine itself defaults to."""
+    from dspark_jax.engine import EngineConfig
+
+    defaults = EngineConfig()
+    for name, help_text in BACKEND_OPTIONS:
+        ap.add_argument("--" + name.replace("_", "-"), default=getattr(defaults, name), help=help_text)
+
+
+def backend_kwargs(args) -> dict:
+    """The EngineConfig keyword arguments of the flags ``add_backend_args`` added."""
+    return {name: getattr(args, name) for name, _ in BACKEND_OPTIONS}
 
 
 def count_kernels(hlo_text: str) -> int:

@@ -26,7 +26,8 @@ import jax
 import numpy as np
 
 from benchmarks.bench_decode import SHAPES, weight_bytes_read
-from benchmarks.common import copy_bandwidth, device_kernel_events, environment, random_model
+from benchmarks.common import (add_backend_args, backend_kwargs, copy_bandwidth, device_kernel_events, environment,
+                               random_model)
 from dspark_jax.config import Qwen3Config
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.engine.model_runner import round_up
@@ -73,12 +74,7 @@ def main(argv=None):
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--context", type=int, default=160)
-    ap.add_argument("--attention-backend", default="auto")
-    ap.add_argument("--norm-backend", default="auto", help="residual add + RMSNorm: reference | pallas | auto")
-    ap.add_argument("--kv-write-backend", default="auto",
-                    help="k norm + rope + K/V cache write: reference | pallas | auto")
-    ap.add_argument("--gemv-backend", default="reference",
-                    help="the decode projections: reference (XLA) | pallas (the GEMV kernel) | auto")
+    add_backend_args(ap)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--sequence", type=int, default=0, help="list the last step's first N kernels in launch order")
@@ -92,8 +88,7 @@ def main(argv=None):
     model = random_model(cfg)
     bs, ctx = args.batch_size, args.context
     engine = Engine(model, None, EngineConfig(max_running_requests=bs, max_model_len=ctx + 32, page_size=16,
-                                              attention_backend=args.attention_backend, norm_backend=args.norm_backend,
-                                              kv_write_backend=args.kv_write_backend, gemv_backend=args.gemv_backend, precompile=False))
+                                              **backend_kwargs(args), precompile=False))
     B = round_up(bs, engine.decode_buckets)
     pages = [list(range(1 + i * engine.pages_per_seq, 1 + i * engine.pages_per_seq + -(-(ctx + 1) // 16)))
              for i in range(bs)]

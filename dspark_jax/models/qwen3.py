@@ -51,14 +51,19 @@ class LayerStacks(NamedTuple):
     down: jax.Array | None = None
 
 
+def runs_gemv_kernel(linear: nnx.Linear, rows: int, backend: str) -> bool:
+    """Whether ``project`` runs this projection of ``rows`` packed rows as the GEMV kernel."""
+    K, N = linear.kernel.shape[-2:]
+    return linear.bias is None and resolve_gemv_backend(backend, rows, K, N) == "pallas"
+
+
 def project(linear: nnx.Linear, x: jax.Array, backend: str, stack: jax.Array | None = None, layer=None,
             prologue: str = "none") -> jax.Array:
     """``linear(prologue(x))`` for packed rows x [T, din]: "pallas" runs the small-batch GEMV
     kernel (pallas_kernels/gemv; one launch, no split-K reduction, the SwiGLU product fused into
     the down projection), reading ``stack[layer]`` in place when given; shapes it cannot take, a
     biased layer, and "reference" use the Linear under XLA."""
-    K, N = linear.kernel.shape[-2:]
-    if linear.bias is None and x.ndim == 2 and resolve_gemv_backend(backend, x.shape[0], K, N) == "pallas":
+    if x.ndim == 2 and runs_gemv_kernel(linear, x.shape[0], backend):
         if stack is None:
             return gemv_op(x, linear.kernel[...], prologue=prologue, backend="pallas")
         return gemv_op(x, stack, layer=layer, prologue=prologue, backend="pallas")
@@ -243,8 +248,7 @@ class Qwen3ForCausalLM(nnx.Module):
             out.update(q_norm=lay.self_attn.q_norm.weight[...], k_norm=lay.self_attn.k_norm.weight[...])
         for name, linear in (("qkv", lay.self_attn.qkv_proj), ("o", lay.self_attn.o_proj),
                              ("gate_up", lay.mlp.gate_up_proj), ("down", lay.mlp.down_proj)):
-            K, N = linear.kernel.shape[-2:]
-            if linear.bias is None and resolve_gemv_backend(gemv_backend, T, K, N) == "pallas":
+            if runs_gemv_kernel(linear, T, gemv_backend):
                 out[name] = linear.kernel[...]
         return LayerStacks(**out)
 

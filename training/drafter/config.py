@@ -83,11 +83,11 @@ class DrafterTrainConfig:
             raise ValueError(f"confidence_label must be one of {CONFIDENCE_LABELS}, got {self.confidence_label!r}")
         if self.confidence_anchors not in CONFIDENCE_ANCHORS:
             raise ValueError(f"confidence_anchors must be one of {CONFIDENCE_ANCHORS}, got {self.confidence_anchors!r}")
-        if self.confidence_anchors == "rounds" and (self.confidence_label != "conditional"
-                                                    or self.num_anchors < self.seq_len):
-            raise ValueError("confidence_anchors='rounds' follows T=0 rounds along every response position: it needs "
-                             "confidence_label='conditional' and num_anchors >= seq_len (dense anchors); got "
-                             f"{self.confidence_label!r}, num_anchors {self.num_anchors}, seq_len {self.seq_len}")
+        if self.confidence_anchors == "rounds":
+            if self.confidence_label != "conditional":
+                raise ValueError("confidence_anchors='rounds' scores T=0 rounds: it needs confidence_label='conditional' "
+                                 f"(dense anchors and conditional labels); got {self.confidence_label!r}")
+            check_dense_anchors(self.num_anchors, self.seq_len)
         if self.trainable not in TRAINABLE:
             raise ValueError(f"trainable must be one of {tuple(TRAINABLE)}, got {self.trainable!r}")
         if self.trainable != "all" and self.init_from is None:
@@ -119,6 +119,13 @@ class DrafterTrainConfig:
 
 
 CONFIDENCE_ANCHORS = ("all", "rounds")
+
+
+def check_dense_anchors(num_anchors: int, seq_len: int) -> None:
+    """Following T=0 rounds along a response needs every response position as an anchor."""
+    if num_anchors < seq_len:
+        raise ValueError("following T=0 rounds needs num_anchors >= seq_len (dense anchors, every response position "
+                         f"an anchor); got num_anchors {num_anchors}, seq_len {seq_len}")
 
 # Top-level parameter groups each `trainable` setting updates (None: every parameter).
 TRAINABLE = {"all": None, "confidence": ("confidence",)}

@@ -24,6 +24,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from training.drafter.config import check_dense_anchors
 from training.drafter.data import BlockGeometry, eval_batches
 from training.drafter.selfdistill import Sample
 from training.drafter.step import add_sums, summarize
@@ -63,8 +64,8 @@ def evaluate_drafter(target_dir: Path | str, drafter_dir: Path | str, data_dir: 
     same rows and anchors a training run with these settings and seed evaluates on).
     round_anchors: the round_* metrics follow T=0 rounds along each response (training.drafter.step
     round_starts); needs num_anchors >= seq_len so that every response position is an anchor."""
-    if round_anchors and num_anchors < seq_len:
-        raise ValueError(f"round_anchors needs num_anchors >= seq_len (every position an anchor); got {num_anchors}")
+    if round_anchors:
+        check_dense_anchors(num_anchors, seq_len)
     from dspark_jax.checkpoint import load_model
     from training.drafter.export import load_drafter_params
     from training.drafter.selfdistill import load_samples
