@@ -46,7 +46,8 @@ SHAPES_8B = [("qkv", 4096, 6144, "none"), ("o", 4096, 4096, "none"), ("gate_up",
 SHAPES_SMOKE = [("qkv", 128, 192, "none"), ("down", 256, 128, "swiglu")]
 TUNE = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s) for bn, bk, w, s in (
     (32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 4), (64, 256, 4, 3), (64, 64, 4, 6), (32, 256, 4, 5),
-    (64, 128, 8, 4), (128, 64, 4, 5), (32, 512, 4, 3))]
+    (64, 128, 8, 4), (128, 64, 4, 5), (32, 512, 4, 3), (16, 256, 4, 4), (16, 512, 2, 4), (16, 1024, 4, 3),
+    (32, 256, 8, 4))]
 # stacked layers, as many as the 8B model has: its gate/up stack (7.2 GB) needs 64-bit offsets in the
 # kernel, which changes its register use, so a short stack would time another kernel
 LAYERS = 36
