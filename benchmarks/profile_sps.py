@@ -113,18 +113,24 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=6, help="engine method: rounds dropped per cell")
     ap.add_argument("--method", choices=("engine", "device"), default="engine")
     ap.add_argument("--m-bin", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=544, help="as bench_speculative's engines (384 + 128 + 32)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out-dir", action="append", default=[])
     args = ap.parse_args(argv)
 
     env = environment()
     mx = max(args.batch_sizes)
+    # The engine configuration of benchmarks/bench_speculative.py (its default --max-prompt-tokens
+    # 384 + --max-new-tokens 128 + 32): the same executables, so a run of both shares the persistent
+    # compilation cache, and the table prices the executables the benchmark then runs.
     eng = SpeculativeEngine.from_pretrained(
         args.model_path, args.draft_model_path,
-        EngineConfig(max_running_requests=mx, max_model_len=args.context + (args.warmup + args.iters + 8) * 16 + 64,
-                     max_prefill_tokens=2048, max_prefill_seqs=16),
-        SpeculativeConfig(mode="compact"))
+        EngineConfig(max_running_requests=mx, max_model_len=args.max_model_len), SpeculativeConfig(mode="compact"))
     G = eng.gamma
+    need = args.context + (args.warmup + args.iters + 4) * (G + 1) + eng.lookahead
+    if need > eng.max_model_len:
+        ap.error(f"a cell needs {need} positions (context + rounds x window + lookahead) > max model len "
+                 f"{eng.max_model_len}: lower --context / --iters or raise --max-model-len")
     rng = np.random.default_rng(0)
     cells = []
     for bs in tqdm(args.batch_sizes, desc="batch sizes"):

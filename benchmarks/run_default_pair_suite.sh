@@ -9,8 +9,8 @@
 #   tau      acceptance length by real rounds on the held-out split at T=0 and T=1, DSpark (with
 #            STS: its per-position ECE / AUROC / Brier are the held-out calibration figures) and MTP
 #   sps      the additive step-cost table (benchmarks/profile_sps.py)
-#   bench    every arm at batch 1 / 8 / 64 per workload (benchmarks/bench_speculative.py; BENCH_ARGS
-#            adds options, TABLE names a cost table other than the sps stage's)
+#   bench    every arm (or those in ARMS) at batch 1 / 8 / 64 per workload (benchmarks/bench_speculative.py;
+#            BENCH_ARGS adds options, TABLE names a cost table other than the sps stage's)
 #   fp32     the equality check again in fp32 with exact matmuls at batch 8 / 64 (no timing claims):
 #            tells bf16 rounding (a near-tie flipping) from an algorithmic difference
 #   dispatch what the call dispatching one round costs on the host, and how much pre-placed inputs
@@ -59,13 +59,14 @@ for stage in $STAGES; do
       done
       ;;
     sps)
-      timeout 200 "$PYTHON" benchmarks/profile_sps.py --model-path "$TARGET" --draft-model-path "$DRAFTER" \
+      timeout "${SPS_TIME:-200}" "$PYTHON" benchmarks/profile_sps.py --model-path "$TARGET" --draft-model-path "$DRAFTER" \
           ${SPS_ARGS:-} --out-dir "$OUT" > "$OUT/sps.log" 2>&1 || echo "sps failed"
       tail -n 3 "$OUT/sps.log"
       ;;
     bench)
       table=(); [ -f "$TABLE" ] && table=(--sps-table-path "$TABLE")
-      arms=none,static,compact+table,compact,mtp; [ ${#table[@]} -eq 0 ] && arms=none,static,compact,mtp
+      arms=${ARMS:-none,static,compact+table,compact,mtp}
+      [ ${#table[@]} -eq 0 ] && arms=${arms/compact+table,/}
       # shellcheck disable=SC2086
       timeout $(( $(left) - ${BENCH_RESERVE:-60} )) "$PYTHON" benchmarks/bench_speculative.py --corpus "$CORPUS" \
           --arms "$arms" "${table[@]}" ${BENCH_ARGS:-} --out-dir "$OUT" > "$OUT/bench.log" 2>&1 \
