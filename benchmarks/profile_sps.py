@@ -113,6 +113,9 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=6, help="engine method: rounds dropped per cell")
     ap.add_argument("--method", choices=("engine", "device"), default="engine")
     ap.add_argument("--m-bin", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="sweeps over the whole grid (each cell one sample per sweep)")
+    ap.add_argument("--unconstrained", action="store_true",
+                    help="plain OLS; default: alpha and theta constrained non-decreasing (cost_model.fit_additive_cost)")
     ap.add_argument("--max-model-len", type=int, default=544, help="as bench_speculative's engines (384 + 128 + 32)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out-dir", action="append", default=[])
@@ -133,19 +136,21 @@ def main(argv=None):
                  f"{eng.max_model_len}: lower --context / --iters or raise --max-model-len")
     rng = np.random.default_rng(0)
     cells = []
-    for bs in tqdm(args.batch_sizes, desc="batch sizes"):
-        for f in args.fractions:
-            K = int(round(f * bs * G))
-            if args.method == "engine":
-                T, t = engine_round_seconds(eng, bs, K, args, rng)
-            else:
-                T, t = device_round_seconds(eng, bs, K, args)
-            cells.append({"bs": bs, "K": K, "M": bs + K, "tier": T, "seconds": t})
-    fit = fit_additive_cost([(c["bs"], c["M"], c["seconds"]) for c in cells], m_bin=args.m_bin)
+    grid = [(rep, bs, f) for rep in range(args.repeats) for bs in args.batch_sizes for f in args.fractions]
+    for rep, bs, f in tqdm(grid, desc="cells"):  # whole sweeps repeated: a drift hits every cell alike
+        K = int(round(f * bs * G))
+        if args.method == "engine":
+            T, t = engine_round_seconds(eng, bs, K, args, rng)
+        else:
+            T, t = device_round_seconds(eng, bs, K, args)
+        cells.append({"repeat": rep, "bs": bs, "K": K, "M": bs + K, "tier": T, "seconds": t})
+    fit = fit_additive_cost([(c["bs"], c["M"], c["seconds"]) for c in cells], m_bin=args.m_bin,
+                            monotone=not args.unconstrained)
     for c, p in zip(cells, fit.predicted_seconds):
         c["predicted_seconds"] = float(p)
     rel = np.abs(fit.residual_seconds) / np.array([c["seconds"] for c in cells])
-    payload = {"env": env, "method": args.method, "gamma": G, "context": args.context, "cells": cells, "table": fit.table.to_dict(),
+    payload = {"env": env, "method": args.method, "gamma": G, "context": args.context, "repeats": args.repeats,
+               "monotone": not args.unconstrained, "cells": cells, "table": fit.table.to_dict(),
                "rms_seconds": fit.rms_seconds, "r_squared": fit.r_squared, "max_relative_error": float(rel.max()),
                "median_relative_error": float(np.median(rel))}
     name = f"sps_table_{env['platform']}{args.tag}"
@@ -154,11 +159,12 @@ def main(argv=None):
         fit.table.save(d / f"{name}.table.json")
     md = [f"# SPS cost table ({env['device']}, jax {env['jax']}, {env['date']}, commit {env['commit']})\n",
           f"method {args.method} (engine: round period in the engine's own loop, host work included; "
-          f"device: the round executable alone); gamma {G}, context {args.context}; fit R^2 {fit.r_squared:.4f}, median |pred-meas|/meas "
+          f"device: the round executable alone); gamma {G}, context {args.context}, {args.repeats} sweeps; "
+          f"{'OLS' if args.unconstrained else 'alpha, theta non-decreasing'}; fit R^2 {fit.r_squared:.4f}, median |pred-meas|/meas "
           f"{np.median(rel):.1%}, max {rel.max():.1%}.\n",
-          "| bs | K | M | tier | measured ms | predicted ms |", "|---:|---:|---:|---:|---:|---:|"]
-    md += [f"| {c['bs']} | {c['K']} | {c['M']} | {c['tier']} | {c['seconds'] * 1e3:.3f} | {c['predicted_seconds'] * 1e3:.3f} |"
-           for c in cells]
+          "| sweep | bs | K | M | tier | measured ms | predicted ms |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    md += [f"| {c['repeat']} | {c['bs']} | {c['K']} | {c['M']} | {c['tier']} | {c['seconds'] * 1e3:.3f} | "
+           f"{c['predicted_seconds'] * 1e3:.3f} |" for c in cells]
     write_results(name, payload, "\n".join(md) + "\n", args.out_dir)
     try:
         import matplotlib

@@ -172,3 +172,55 @@ def test_fit_rejects_bad_samples():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fit_additive_cost([(1, 8, 0.01), (1, 8, 0.011)])  # one cell, repeated: full rank (1 param)
+
+
+# -- monotone fit ------------------------------------------------------------------------
+
+
+def _bounded_reference(samples, m_bin=64):
+    """The same constrained least squares solved independently: alpha and theta as cumulative sums
+    of non-negative increments over the sorted probes (scipy's bounded linear least squares)."""
+    from scipy.optimize import lsq_linear
+
+    rows = np.asarray(samples, float)
+    bs, m, y = rows.T
+    bs_p, bi = np.unique(bs, return_inverse=True)
+    m_p, mi = np.unique(m_bin_of(m, m_bin), return_inverse=True)
+    nb, nm = bs_p.size, m_p.size
+    A = np.zeros((len(y), 1 + (nb - 1) + (nm - 1)))
+    A[:, 0] = 1.0
+    for i in range(len(y)):
+        A[i, 1:1 + bi[i]] = 1.0  # alpha_b = d_1 + ... + d_b
+        A[i, nb:nb + mi[i]] = 1.0
+    lo = np.r_[-np.inf, np.zeros(A.shape[1] - 1)]
+    x = lsq_linear(A, y, bounds=(lo, np.full(A.shape[1], np.inf)), tol=1e-14, lsmr_tol="auto").x
+    return x[0], np.r_[0.0, np.cumsum(x[1:nb])], np.r_[0.0, np.cumsum(x[nb:])]
+
+
+def test_monotone_fit_equals_ols_when_ols_is_already_monotone():
+    samples = _grid_samples()  # the true model is non-decreasing in bs and M
+    ols, mono = fit_additive_cost(samples).table, fit_additive_cost(samples, monotone=True).table
+    assert mono.bias_seconds == pytest.approx(ols.bias_seconds, abs=1e-12)
+    np.testing.assert_allclose(mono.alpha_seconds, ols.alpha_seconds, atol=1e-12)
+    np.testing.assert_allclose(mono.theta_seconds, ols.theta_seconds, atol=1e-12)
+
+
+def test_monotone_fit_pools_noise_dips_and_matches_a_bounded_solver():
+    # A nearly flat curve in M plus noise, as a latency-bound model profiles: OLS puts dips into
+    # theta (cheaper to verify more), the constrained fit must not.
+    rng = np.random.default_rng(3)
+    samples = [(bs, m, 0.003 + 1e-5 * bs + 2e-7 * m + rng.normal(0, 2e-4))
+               for bs in (1, 2, 4, 8, 16) for m in range(bs, 8 * bs + 1, max(1, bs))]
+    ols = fit_additive_cost(samples)
+    assert np.any(np.diff(ols.table.theta_seconds) < 0) or np.any(np.diff(ols.table.alpha_seconds) < 0)
+    fit = fit_additive_cost(samples, monotone=True)
+    t = fit.table
+    assert np.all(np.diff(t.alpha_seconds) >= -1e-15) and np.all(np.diff(t.theta_seconds) >= -1e-15)
+    assert t.alpha_seconds[0] == 0 and t.theta_seconds[0] == 0
+    bias, alpha, theta = _bounded_reference(samples)
+    assert t.bias_seconds == pytest.approx(bias, abs=1e-7)
+    np.testing.assert_allclose(t.alpha_seconds, alpha, atol=1e-7)
+    np.testing.assert_allclose(t.theta_seconds, theta, atol=1e-7)
+    # the constrained fit's residuals are its own, and no better than OLS's
+    np.testing.assert_allclose(fit.predicted_seconds + fit.residual_seconds, [s[2] for s in samples])
+    assert fit.rms_seconds >= ols.rms_seconds - 1e-15

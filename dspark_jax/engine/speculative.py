@@ -63,7 +63,13 @@ class SpeculativeConfig:
     sts: StsCalibration | None = None  # None: identity temperatures
     cost_table: AdditiveCostTable | None = None  # None: verify everything
     lag: int = 2
-    min_predicted_gain: float | None = None
+    # Trim only when the predicted throughput beats verify-all by this fraction (TensorRT-LLM's
+    # config default; None: always take the argmax).  A latency-bound target's round costs nearly
+    # the same at any verify length, so noise in the profiled table or in the confidences would
+    # otherwise buy trims that lose accepted tokens and save no time: with the default pair at
+    # batch 64 on the H200, compact with the table and no guard ran 10-23% slower than verify-all
+    # (benchmarks/results/speculative_default_gpu_bs8-64_d8852f2.md).
+    min_predicted_gain: float | None = 0.04
     # Learn the cost table's level from measured rounds (moving-average weight, e.g. 0.1; None:
     # the raw table).  See dspark_jax/speculative/step_time_correction.py.  Off by default: the
     # windows then depend on wall-clock timing, so above temperature 0 a fixed seed no longer
@@ -344,8 +350,6 @@ class SpeculativeEngine(Engine):
             self.stats["predicted_step_s"].append(rnd.predicted_s)
             self.stats["table_step_s"].append(self.spec.cost_table.predict(bs, rnd.budget))
             self.stats["measured_step_s"].append(measured)
-            if self.spec.forced_budget is None:
-                self.scheduler_conf.record_step_time(bs, rnd.budget, measured)
         self._last_read_at = now
         # Rows of requests that finished in an earlier round ran past their end: keep them out of
         # the calibration data (the scheduler's lag ring drops them by slot generation).
@@ -368,7 +372,10 @@ class SpeculativeEngine(Engine):
             if r.status is Status.FINISHED:
                 self._slot_of.pop(r.id, None)
         if rnd.predicted_s is not None:
-            self.stats["round_context"].append((sum(len(c) for c in commits), rnd.overlapped))
+            num_committed = sum(len(c) for c in commits)
+            self.stats["round_context"].append((num_committed, rnd.overlapped))
+            if self.spec.forced_budget is None:
+                self.scheduler_conf.record_step_time(bs, rnd.budget, measured, num_committed)
         if self._recorder is not None:  # after the commit: a row knows whether its request ended here
             final = np.array([r.status is Status.FINISHED for r in rnd.reqs])[alive]
             self._recorder.add(out.confidence_logits[:bs][alive], out.block_accept[:bs][alive], final)

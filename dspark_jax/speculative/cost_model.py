@@ -197,8 +197,48 @@ class CostFit:
         return self.rank < self.num_params
 
 
-def fit_additive_cost(samples: Iterable[Sequence[float]], m_bin: int = 64) -> CostFit:
+def _isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Weighted least-squares non-decreasing fit (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, length]
+    for v, w in zip(values.tolist(), weights.tolist()):
+        blocks.append([v, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            v2, w2, n2 = blocks.pop()
+            v1, w1, n1 = blocks[-1]
+            blocks[-1] = [(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
+    return np.concatenate([np.full(n, v) for v, _, n in blocks])
+
+
+def _monotone_refit(seconds, bs_idx, m_idx, nb, nm, coef, iters: int = 500) -> np.ndarray:
+    """Least squares with alpha non-decreasing in bs and theta non-decreasing in M.
+
+    Block coordinate descent from the OLS solution: alternately the best non-decreasing
+    ``bias + alpha`` per batch size given theta, and the best non-decreasing theta per M bin given
+    those (each a weighted isotonic regression of group means), theta re-based so its first bin is
+    0.  Both blocks are convex and the constraints separate, so this converges to the constrained
+    optimum."""
+    counts_b = np.bincount(bs_idx, minlength=nb).astype(float)
+    counts_m = np.bincount(m_idx, minlength=nm).astype(float)
+    level = coef[0] + np.concatenate([[0.0], coef[1:nb]])  # bias + alpha_b
+    theta = np.concatenate([[0.0], coef[nb:]])
+    for _ in range(iters):
+        prev = np.concatenate([level, theta])
+        level = _isotonic(np.bincount(bs_idx, seconds - theta[m_idx], nb) / counts_b, counts_b)
+        full = _isotonic(np.bincount(m_idx, seconds - level[bs_idx], nm) / counts_m, counts_m)
+        theta, level = full - full[0], level + full[0]
+        if np.max(np.abs(np.concatenate([level, theta]) - prev)) < 1e-15:
+            break
+    return np.concatenate([[level[0]], level[1:] - level[0], theta[1:]])
+
+
+def fit_additive_cost(samples: Iterable[Sequence[float]], m_bin: int = 64, monotone: bool = False) -> CostFit:
     """OLS fit of ``T = bias + sum_b 1[bs=b] alpha_b + sum_m 1[bin(M)=m] theta_m``.
+
+    ``monotone``: constrain alpha to be non-decreasing in the batch size and theta in M (a round
+    with more requests or more verify tokens never costs less).  Profiled step times of a small,
+    latency-bound model are nearly flat in M, and unconstrained noise then puts dips into theta
+    that the scheduler reads as savings from trimming; the constrained fit pools them instead.  The
+    standard errors are the OLS formula's (the design's covariance) with the constrained residuals.
 
     ``samples`` are ``(bs, M, seconds)`` cells (repeats allowed).  The smallest batch size and
     the smallest M bin are the zero baselines, so alpha and theta are relative to them and bias is
@@ -247,6 +287,8 @@ def fit_additive_cost(samples: Iterable[Sequence[float]], m_bin: int = 64) -> Co
             RuntimeWarning,
             stacklevel=2,
         )
+    if monotone:
+        coef = _monotone_refit(seconds, bs_idx, m_idx, nb, nm, coef)
     predicted = design @ coef
     resid = seconds - predicted
     ss_res = float(resid @ resid)
@@ -281,6 +323,6 @@ def fit_additive_cost(samples: Iterable[Sequence[float]], m_bin: int = 64) -> Co
     )
 
 
-def fit_additive_table(samples: Iterable[Sequence[float]], m_bin: int = 64) -> AdditiveCostTable:
+def fit_additive_table(samples: Iterable[Sequence[float]], m_bin: int = 64, monotone: bool = False) -> AdditiveCostTable:
     """The table of ``fit_additive_cost`` (use that function for residuals and R^2)."""
-    return fit_additive_cost(samples, m_bin).table
+    return fit_additive_cost(samples, m_bin, monotone).table
