@@ -42,7 +42,7 @@ from pallas_kernels.gemv import block_config, gemv, gemv_reference, kernel_suppo
 
 # (name, K, N, prologue) of a Qwen3-8B layer; the down projection reads the [M, 2K] gate/up output
 SHAPES_8B = [("qkv", 4096, 6144, "none"), ("o", 4096, 4096, "none"), ("gate_up", 4096, 24576, "none"),
-             ("down", 12288, 4096, "swiglu")]
+             ("down", 12288, 4096, "swiglu"), ("down_plain", 12288, 4096, "none")]  # down_plain: SwiGLU left to XLA
 SHAPES_SMOKE = [("qkv", 128, 192, "none"), ("down", 256, 128, "swiglu")]
 TUNE = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s) for bn, bk, w, s in (
     (32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 4), (64, 256, 4, 3), (64, 64, 4, 6), (32, 256, 4, 5),
@@ -100,6 +100,7 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--calls", type=int, default=30)
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--shapes", nargs="+", help="projections to run (default: all of the 8B layer's)")
     ap.add_argument("--interpret", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU, with --interpret)")
     ap.add_argument("--name", default="gemv_h200")
@@ -109,6 +110,11 @@ def main(argv=None):
     env = environment()
     log(f"{env['device']}, jax {env['jax']}, commit {env['commit']}")
     shapes = SHAPES_SMOKE if args.smoke else SHAPES_8B
+    if args.shapes:
+        unknown = set(args.shapes) - {s[0] for s in shapes}
+        if unknown:
+            ap.error(f"unknown --shapes {sorted(unknown)}; choose from {[s[0] for s in shapes]}")
+        shapes = [s for s in shapes if s[0] in args.shapes]
     layers = 2 if args.smoke else LAYERS
     check = run_check(rng, shapes, [1, 3] if args.smoke else [1, 16, 64], args.interpret, layers)
     exit_if_check_failed(all(c["ok"] for c in check), args.name, env, check, args.out_dir)
