@@ -124,7 +124,10 @@ def main(argv=None):
     layer = layers // 2
     for name, K, N, prologue in shapes:
         x, w = inputs(rng, 1, K, N, prologue, layers)
-        cands = [c for c in (TUNE if args.tune else []) if kernel_supports(1, K, N, block_config(1, K, N, **c))]
+        # a candidate must fit every M it is then benchmarked at (shared memory grows with block_m)
+        cands = [c for c in (TUNE if args.tune else [])
+                 if all(kernel_supports(M, K, N, block_config(M, K, N, **c), prologue=prologue)
+                        for M in ([1, 3] if args.smoke else args.rows))]
         timed = [(time_kernel(x, w, prologue, layer, calls, args.interpret, **c), c) for c in cands]
         for us, c in timed:
             tune_rows.append(dict(proj=name, us=us, **c))

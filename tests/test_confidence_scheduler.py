@@ -254,18 +254,6 @@ def test_level_correction_shifts_the_argmax_towards_verify_all():
     got = sched.decide_budget(s, fresh)
     assert got.budget == brute(c) > raw.budget
     assert got.predicted_step_seconds == pytest.approx(table.predict(rows, got.budget) + c)
-    # With committed-token counts the offset also grows with the expected tokens of each budget.
-    tok = ConfidenceScheduler(GAMMA, table, correction_weight=0.5)
-    for measured, committed in ((4e-3, 20), (6e-3, 40), (5e-3, 30), (6e-3, 40), (4e-3, 20)):
-        tok.record_step_time(rows, raw.budget, measured, committed)
-    slope = tok.correction.per_token_seconds()
-    assert slope > 0
-    steps = table.predict(rows, np.arange(cands.size + 1)) + tok.correction.offset(rows, tau)
-    want = int(np.argmax(tau / steps))
-    got = tok.decide_budget(s, fresh)
-    assert got.budget == want
-    assert got.predicted_step_seconds == pytest.approx(table.predict(rows, want) + tok.correction.offset(rows, 0.0)
-                                                       + slope * tau[want])
     # Off (the default of the scheduler itself): recording is a no-op.
     off = ConfidenceScheduler(GAMMA, table)
     off.record_step_time(rows, raw.budget, 1.0)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from pallas_kernels.gemv.kernel import SMEM_LIMIT_BYTES, smem_bytes
 from pallas_kernels.gemv import (
     MAX_M,
     block_config,
@@ -104,7 +105,7 @@ def test_tile_options_give_the_same_result():
     rng = np.random.default_rng(2)
     x, w = _case(rng, 2, 256, 128, jnp.float32)
     want = gemv_reference(x, w)
-    for kw in (dict(block_n=32, block_k=64), dict(block_n=128, block_k=256, num_warps=8, num_stages=2)):
+    for kw in (dict(block_n=32, block_k=64), dict(block_n=128, block_k=128, num_warps=8, num_stages=2)):
         _assert_close(gemv(x, w, interpret=True, **kw), want, jnp.float32)
 
 
@@ -145,6 +146,20 @@ def test_bad_inputs_and_dispatch():
     big = jnp.asarray(rng.standard_normal((MAX_M + 1, 128)), jnp.float32)  # falls back, same result
     np.testing.assert_allclose(gemv_op(big, w, backend="pallas"), gemv_reference(big, w), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(gemv_op(x, w, backend="pallas"), gemv_reference(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_shared_memory_bound_rejects_the_configuration_that_overflowed_on_the_h200():
+    # H200, bf16, M = 64: bk 256 / bn 32 / 5 stages asked Triton for 245,760 bytes (limit 232,448)
+    cfg = block_config(64, 12288, 4096, block_n=32, block_k=256, num_stages=5)
+    assert smem_bytes(cfg) == 5 * 2 * (64 * 256 + 256 * 32) == 245760 > SMEM_LIMIT_BYTES
+    assert not kernel_supports(64, 12288, 4096, cfg)
+    assert kernel_supports(1, 12288, 4096, block_config(1, 12288, 4096, block_n=32, block_k=256, num_stages=5))
+    # the SwiGLU prologue pipelines two activation tiles
+    small = block_config(16, 256, 128)
+    assert smem_bytes(small, prologue="swiglu") - smem_bytes(small) == small.num_stages * 2 * 16 * small.block_k
+    x = jnp.zeros((64, 512), jnp.bfloat16)
+    with pytest.raises(ValueError, match="bytes of pipelined tiles"):
+        gemv(x, jnp.zeros((512, 128), jnp.bfloat16), block_n=32, block_k=512, num_stages=4, interpret=True)
 
 
 def test_triton_lowering_at_8b_decode_shapes():

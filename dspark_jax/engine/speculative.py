@@ -350,6 +350,8 @@ class SpeculativeEngine(Engine):
             self.stats["predicted_step_s"].append(rnd.predicted_s)
             self.stats["table_step_s"].append(self.spec.cost_table.predict(bs, rnd.budget))
             self.stats["measured_step_s"].append(measured)
+            if self.spec.forced_budget is None:
+                self.scheduler_conf.record_step_time(bs, rnd.budget, measured)
         self._last_read_at = now
         # Rows of requests that finished in an earlier round ran past their end: keep them out of
         # the calibration data (the scheduler's lag ring drops them by slot generation).
@@ -372,10 +374,7 @@ class SpeculativeEngine(Engine):
             if r.status is Status.FINISHED:
                 self._slot_of.pop(r.id, None)
         if rnd.predicted_s is not None:
-            num_committed = sum(len(c) for c in commits)
-            self.stats["round_context"].append((num_committed, rnd.overlapped))
-            if self.spec.forced_budget is None:
-                self.scheduler_conf.record_step_time(bs, rnd.budget, measured, num_committed)
+            self.stats["round_context"].append((sum(len(c) for c in commits), rnd.overlapped))
         if self._recorder is not None:  # after the commit: a row knows whether its request ended here
             final = np.array([r.status is Status.FINISHED for r in rnd.reqs])[alive]
             self._recorder.add(out.confidence_logits[:bs][alive], out.block_accept[:bs][alive], final)

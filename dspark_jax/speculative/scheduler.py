@@ -7,9 +7,8 @@ The decision has two parts (DSpark paper section 5.2, SGLang's planner):
    survivals of all (request, position) pairs, fresh or recycled slots counting 1 everywhere::
 
        tau(n) = R + a_1 + ... + a_n        expected committed tokens (one bonus per request)
-       T(n)   = table.predict(R, n) + c(R, tau(n))   predicted step seconds; c the optional online
-                                           correction: a level per batch size plus host seconds per
-                                           committed token (step_time_correction.py)
+       T(n)   = table.predict(R, n) + c(R) predicted step seconds; c(R) the optional online
+                                           level correction (step_time_correction.py)
        K      = argmax over n = 0..#candidates of tau(n) / T(n)
 
    The argmax is global: tiers make the cost a staircase, so tau/T is not unimodal and a greedy
@@ -143,22 +142,21 @@ class ConfidenceScheduler:
         if table is None:
             return BudgetDecision(full, cands.size, float(tau[-1]), None, None)
 
-        # the online correction: a level per batch size plus host seconds per expected committed token
-        offset = self.correction.offset(num_rows, tau) if self.correction is not None else np.zeros_like(tau)
+        offset = self.correction.offset(num_rows) if self.correction is not None else 0.0
         step_seconds = np.maximum(table.predict(num_rows, np.arange(cands.size + 1)) + offset, 1e-9)
         throughput = tau / step_seconds
         k = int(np.argmax(throughput))  # first maximum: ties go to the smaller budget
         if self.min_predicted_gain is not None and k != full:
-            full_seconds = max(table.predict(num_rows, full) + offset[-1], 1e-9)
+            full_seconds = max(table.predict(num_rows, full) + offset, 1e-9)
             full_throughput = float(tau[-1]) / full_seconds  # tau over all candidates ~ tau(full)
             if throughput[k] < full_throughput * (1.0 + self.min_predicted_gain):
                 return BudgetDecision(full, cands.size, float(tau[-1]), full_seconds, full_throughput, True)
         return BudgetDecision(k, cands.size, float(tau[k]), float(step_seconds[k]), float(throughput[k]))
 
-    def record_step_time(self, batch_size: int, budget: int, measured_seconds: float, committed: int = 0) -> None:
-        """Fold a read round's measured time and committed tokens into the online correction (if enabled)."""
+    def record_step_time(self, batch_size: int, budget: int, measured_seconds: float) -> None:
+        """Fold a read round's measured time into the online level correction (if enabled)."""
         if self.correction is not None:
-            self.correction.update(batch_size, self.cost_table.predict(batch_size, budget), measured_seconds, committed)
+            self.correction.update(batch_size, self.cost_table.predict(batch_size, budget), measured_seconds)
 
     def budget(self, lagged_survival, fresh_mask) -> int:
         """K for a step: see ``decide_budget`` for the full record."""

@@ -58,21 +58,46 @@ class GemvConfig:
     num_stages: int
 
 
+# Shared memory one Triton program may use on Hopper (H100 / H200: 227 KiB opt-in per block).
+SMEM_LIMIT_BYTES = 232448
+
+
+def _tile_bytes(block_m: int, block_n: int, block_k: int, itemsize: int, prologue: str) -> int:
+    x_tiles = 2 if prologue == "swiglu" else 1  # the gate and the up tile
+    return itemsize * (x_tiles * block_m * block_k + block_k * block_n)
+
+
 def block_config(M: int, K: int, N: int, *, block_n: int | None = None, block_k: int | None = None,
-                 num_warps: int | None = None, num_stages: int | None = None) -> GemvConfig:
+                 num_warps: int | None = None, num_stages: int | None = None, itemsize: int = 2,
+                 prologue: str = "none") -> GemvConfig:
     """Tiles for an [M, K] x [K, N] product (static shapes).  Defaults: 64-column, 128-deep
-    tiles, 4 warps, 4 stages (three weight tiles in flight); NOT yet tuned on the GPU
-    (benchmarks/bench_gemv.py --tune sweeps them)."""
-    bn = block_n or 64
-    bk = block_k or 128
-    return GemvConfig(max(16, _next_pow2(M)), min(bn, _next_pow2(N)), min(bk, _next_pow2(K)),
-                      num_warps or 4, num_stages or 4)
+    tiles, 4 warps, 4 stages (three weight tiles in flight), fewer stages where four copies of
+    the tiles would not fit in shared memory (fp32, a 64-row block, the SwiGLU prologue); the
+    H200 sweep (benchmarks/results/gemv_h200_b9ffde6.md) found 64-column tiles best for the wide
+    projections and 32-column ones for the narrow."""
+    bm = max(16, _next_pow2(M))
+    bn = min(block_n or 64, _next_pow2(N))
+    bk = min(block_k or 128, _next_pow2(K))
+    if num_stages is None:
+        fit = SMEM_LIMIT_BYTES // _tile_bytes(bm, bn, bk, itemsize, prologue)
+        num_stages = max(1, min(4, fit))
+    return GemvConfig(bm, bn, bk, num_warps or 4, num_stages)
 
 
-def kernel_supports(M: int, K: int, N: int, cfg: GemvConfig | None = None) -> bool:
-    """M <= MAX_M, and the tiles divide K and N exactly (no masked weight tiles)."""
-    cfg = cfg or block_config(M, K, N)
-    return 1 <= M <= MAX_M and K % cfg.block_k == 0 and N % cfg.block_n == 0 and min(cfg.block_k, cfg.block_n) >= 16
+def smem_bytes(cfg: GemvConfig, itemsize: int = 2, prologue: str = "none") -> int:
+    """Shared memory the software pipeline allocates: ``num_stages`` copies of the activation
+    tile(s) and the weight tile.  Matches what Triton requested on the H200 when a tuned
+    configuration overflowed (bm 64, bk 256, bn 32, 5 stages, bf16: 245,760 bytes)."""
+    return cfg.num_stages * _tile_bytes(cfg.block_m, cfg.block_n, cfg.block_k, itemsize, prologue)
+
+
+def kernel_supports(M: int, K: int, N: int, cfg: GemvConfig | None = None, *, itemsize: int = 2,
+                    prologue: str = "none") -> bool:
+    """M <= MAX_M, the tiles divide K and N exactly (no masked weight tiles), and the pipeline's
+    tiles fit in shared memory (``smem_bytes``; interpret mode does not enforce that limit)."""
+    cfg = cfg or block_config(M, K, N, itemsize=itemsize, prologue=prologue)
+    return (1 <= M <= MAX_M and K % cfg.block_k == 0 and N % cfg.block_n == 0 and min(cfg.block_k, cfg.block_n) >= 16
+            and smem_bytes(cfg, itemsize, prologue) <= SMEM_LIMIT_BYTES)
 
 
 def _kernel(layer_ref, x_ref, w_ref, o_ref, *, M: int, K: int, cfg: GemvConfig, stacked: bool, prologue: str):
@@ -112,10 +137,13 @@ def gemv(x: jax.Array, w: jax.Array, *, layer: jax.Array | int | None = None, pr
          num_stages: int | None = None, interpret: bool = False) -> jax.Array:
     """Pallas (Triton backend) version of ``gemv_reference``: same arguments and result."""
     M, K, N = check_shapes(x, w, layer, prologue)
-    cfg = block_config(M, K, N, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
-    if not kernel_supports(M, K, N, cfg):
-        raise ValueError(f"the gemv kernel takes M <= {MAX_M} and tiles dividing K and N; got M={M}, K={K}, "
-                         f"N={N}, {cfg} (use the reference)")
+    itemsize = max(jnp.dtype(x.dtype).itemsize, jnp.dtype(w.dtype).itemsize)
+    cfg = block_config(M, K, N, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                       itemsize=itemsize, prologue=prologue)
+    if not kernel_supports(M, K, N, cfg, itemsize=itemsize, prologue=prologue):
+        raise ValueError(f"the gemv kernel takes M <= {MAX_M}, tiles dividing K and N and at most "
+                         f"{SMEM_LIMIT_BYTES} bytes of pipelined tiles; got M={M}, K={K}, N={N}, {cfg}, "
+                         f"{smem_bytes(cfg, itemsize, prologue)} bytes (use the reference)")
     stacked = layer is not None
     layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     kernel = functools.partial(_kernel, M=M, K=K, cfg=cfg, stacked=stacked, prologue=prologue)
