@@ -207,9 +207,11 @@ def test_gemv_kernel_gives_the_reference_forward():
     import dspark_jax.models.qwen3 as qwen3
 
     calls = []  # the kernel really runs: every projection of every layer goes through gemv_op
-    with mock.patch.object(qwen3, "gemv_op", lambda *a, **kw: calls.append(kw["prologue"]) or gemv_op(*a, **kw)):
+    with mock.patch.object(qwen3, "gemv_op", lambda *a, **kw: calls.append(a[-1].shape) or gemv_op(*a, **kw)):
         model(allocate_kv_cache(cfg, 6, PAGE, jnp.float32), fb, gemv_backend="pallas", scan_layers=False)
-    assert sorted(calls) == sorted(["none"] * 3 * cfg.num_hidden_layers + ["swiglu"] * cfg.num_hidden_layers)
+    lay = model.layers  # the weights passed: each layer's qkv, o, gate/up and down stack (SwiGLU left to XLA)
+    stacks = [lay.self_attn.qkv_proj, lay.self_attn.o_proj, lay.mlp.gate_up_proj, lay.mlp.down_proj]
+    assert sorted(calls) == sorted([p.kernel.shape for p in stacks] * cfg.num_hidden_layers)
     assert model._kernel_stacks(12, "reference", "reference", "pallas").down is not None
     assert model._kernel_stacks(MAX_M + 1, "reference", "reference", "pallas").down is None  # XLA above MAX_M
     with pytest.raises(ValueError, match="gemv_backend"):

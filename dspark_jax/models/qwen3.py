@@ -57,17 +57,15 @@ def runs_gemv_kernel(linear: nnx.Linear, rows: int, backend: str) -> bool:
     return linear.bias is None and resolve_gemv_backend(backend, rows, K, N) == "pallas"
 
 
-def project(linear: nnx.Linear, x: jax.Array, backend: str, stack: jax.Array | None = None, layer=None,
-            prologue: str = "none") -> jax.Array:
-    """``linear(prologue(x))`` for packed rows x [T, din]: "pallas" runs the small-batch GEMV
-    kernel (pallas_kernels/gemv; one launch, no split-K reduction, the SwiGLU product fused into
-    the down projection), reading ``stack[layer]`` in place when given; shapes it cannot take, a
-    biased layer, and "reference" use the Linear under XLA."""
+def project(linear: nnx.Linear, x: jax.Array, backend: str, stack: jax.Array | None = None, layer=None) -> jax.Array:
+    """``linear(x)`` for packed rows x [T, din]: "pallas" runs the small-batch GEMV kernel
+    (pallas_kernels/gemv; one launch, no split-K reduction), reading ``stack[layer]`` in place when
+    given; shapes it cannot take, a biased layer, and "reference" use the Linear under XLA."""
     if x.ndim == 2 and runs_gemv_kernel(linear, x.shape[0], backend):
         if stack is None:
-            return gemv_op(x, linear.kernel[...], prologue=prologue, backend="pallas")
-        return gemv_op(x, stack, layer=layer, prologue=prologue, backend="pallas")
-    return linear(swiglu(x) if prologue == "swiglu" else x)
+            return gemv_op(x, linear.kernel[...], backend="pallas")
+        return gemv_op(x, stack, layer=layer, backend="pallas")
+    return linear(x)
 
 
 def add_rms_norm(
@@ -173,10 +171,11 @@ class Qwen3MLP(nnx.Module):
         self.down_proj = _linear(f, d, bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, gemv_backend: str = "reference", stacks: LayerStacks = LayerStacks(), layer=None):
-        """gemv_backend "pallas": both projections through the GEMV kernel, the SwiGLU product
-        computed inside the down projection's (``project``)."""
+        """gemv_backend "pallas": both projections through the GEMV kernel (``project``).  The
+        SwiGLU product stays an XLA op: the kernel's fused SwiGLU prologue ran the down projection
+        at 13-15% of the copy bandwidth on the H200 (benchmarks/results/gemv_h200_b9ffde6.md)."""
         gate_up = project(self.gate_up_proj, x, gemv_backend, stacks.gate_up, layer)
-        return project(self.down_proj, gate_up, gemv_backend, stacks.down, layer, prologue="swiglu")
+        return project(self.down_proj, swiglu(gate_up), gemv_backend, stacks.down, layer)
 
 
 class Qwen3DecoderLayer(nnx.Module):

@@ -9,8 +9,14 @@ elementwise kernel of its own, and its GEMMs stay at 70-80% of the bandwidth on 
 projections (qkv 14.9 us against a 12.1 us floor, o 10.8 against 8.1;
 benchmarks/results/decode_profile_qwen3-8b_bs1_pallas_fused_53d9908.md).  This kernel has no
 split-K: each program owns ``block_n`` output columns and walks the whole K range, so nothing is
-left to reduce, and for the down projection it computes ``silu(gate) * up`` from the gate/up
-output as it loads it.
+left to reduce.
+
+Measured on the H200 at batch 1 with the 8B layer's stacked weights (benchmarks/results/
+gemv_h200_b9ffde6.md): qkv 14.3 against XLA's 16.9 us, gate/up 47.8 against 52.1 (100% of the copy
+bandwidth), o 10.0 against 10.0, the plain down projection 29.0 against 29.7 (83%).  The SwiGLU
+prologue, though exact, ran the down projection at 185-7500 us over every tile tried (13-15% of
+the bandwidth at best; why is not yet known), so the model computes the product in XLA and calls
+the plain kernel.
 
 Design:
 
@@ -24,7 +30,8 @@ Design:
   read in place (a layer slice handed to a custom call is copied into a buffer of its own by XLA
   first -- 50-200 MB per projection here).
 * ``prologue="swiglu"``: the activation tile is ``silu(g) * u`` from the two halves of the
-  ``[M, 2K]`` gate/up output, rounded to the activation dtype op by op as the model's jnp does.
+  ``[M, 2K]`` gate/up output, rounded to the activation dtype op by op as the model's jnp does
+  (slow on the GPU, see above; not used by the model).
 * Tile sizes and ``num_warps`` / ``num_stages`` come from ``block_config`` and are passed to the
   Triton compiler explicitly (jax 0.10.2 and 0.11.x both lower them).
 """
@@ -70,17 +77,21 @@ def _tile_bytes(block_m: int, block_n: int, block_k: int, itemsize: int, prologu
 def block_config(M: int, K: int, N: int, *, block_n: int | None = None, block_k: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None, itemsize: int = 2,
                  prologue: str = "none") -> GemvConfig:
-    """Tiles for an [M, K] x [K, N] product (static shapes).  Defaults: 64-column, 128-deep
-    tiles, 4 warps, 4 stages (three weight tiles in flight), fewer stages where four copies of
-    the tiles would not fit in shared memory (fp32, a 64-row block, the SwiGLU prologue); the
-    H200 sweep (benchmarks/results/gemv_h200_b9ffde6.md) found 64-column tiles best for the wide
-    projections and 32-column ones for the narrow."""
+    """Tiles for an [M, K] x [K, N] product (static shapes), 4 warps.
+
+    Defaults from the H200 sweep at batch 1 (benchmarks/results/gemv_h200_b9ffde6.md and
+    gemv_h200_down_plain_af0bf35_log.txt): a wide projection (N > K: qkv, gate/up) has column tiles
+    enough, so 64 columns, 128 deep, 4 stages (within 2% of the best there); a narrow one (N <= K:
+    o, down) has few, and each program walks a long K, so 32 columns, 256 deep, 5 stages (down:
+    28.8 against 35.6 us with the wide tiles).  Stages not given are capped to what fits in shared
+    memory (``smem_bytes``: fp32, 64-row blocks, the SwiGLU prologue)."""
+    narrow = N <= K
     bm = max(16, _next_pow2(M))
-    bn = min(block_n or 64, _next_pow2(N))
-    bk = min(block_k or 128, _next_pow2(K))
+    bn = min(block_n or (32 if narrow else 64), _next_pow2(N))
+    bk = min(block_k or (256 if narrow else 128), _next_pow2(K))
     if num_stages is None:
         fit = SMEM_LIMIT_BYTES // _tile_bytes(bm, bn, bk, itemsize, prologue)
-        num_stages = max(1, min(4, fit))
+        num_stages = max(1, min(5 if narrow else 4, fit))
     return GemvConfig(bm, bn, bk, num_warps or 4, num_stages)
 
 
