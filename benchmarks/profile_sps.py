@@ -130,6 +130,7 @@ def main(argv=None):
         args.model_path, args.draft_model_path,
         EngineConfig(max_running_requests=mx, max_model_len=args.max_model_len), SpeculativeConfig(mode="compact"))
     G = eng.gamma
+    print(f"engine compiled in {eng.compile_seconds:.0f} s ({len(eng.tiers.tiers)} token tiers)", flush=True)
     need = args.context + (args.warmup + args.iters + 4) * (G + 1) + eng.lookahead
     if need > eng.max_model_len:
         ap.error(f"a cell needs {need} positions (context + rounds x window + lookahead) > max model len "

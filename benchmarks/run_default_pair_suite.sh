@@ -8,7 +8,8 @@
 #            the drafter folder's sts.json (so every later stage, and serving, uses it)
 #   tau      acceptance length by real rounds on the held-out split at T=0 and T=1, DSpark (with
 #            STS: its per-position ECE / AUROC / Brier are the held-out calibration figures) and MTP
-#   sps      the additive step-cost table (benchmarks/profile_sps.py)
+#   sps      the additive step-cost table (benchmarks/profile_sps.py; at most SPS_TIME seconds, default
+#            330: on the H200 at ec16464 compiling the engine and 84 of the 105 cells took 240 s)
 #   bench    every arm (or those in ARMS) at batch 1 / 8 / 64 per workload (benchmarks/bench_speculative.py;
 #            BENCH_ARGS adds options, TABLE names a cost table other than the sps stage's)
 #   fp32     the equality check again in fp32 with exact matmuls at batch 8 / 64 (no timing claims):
@@ -59,7 +60,7 @@ for stage in $STAGES; do
       done
       ;;
     sps)
-      timeout "${SPS_TIME:-200}" "$PYTHON" benchmarks/profile_sps.py --model-path "$TARGET" --draft-model-path "$DRAFTER" \
+      timeout "${SPS_TIME:-330}" "$PYTHON" benchmarks/profile_sps.py --model-path "$TARGET" --draft-model-path "$DRAFTER" \
           ${SPS_ARGS:-} --out-dir "$OUT" > "$OUT/sps.log" 2>&1 || echo "sps failed"
       tail -n 3 "$OUT/sps.log"
       ;;
