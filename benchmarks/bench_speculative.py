@@ -106,13 +106,14 @@ def run_cell(engines: dict, groups, max_new: int, repeats: int) -> dict:
             cell["step_table_ms"] = float(np.median(table) * 1e3)  # the raw table, no level correction
             cell["step_table_median_rel_error"] = float(np.median(np.abs(table - meas) / meas))
             # per round (at most 4000): what the error can be traced to (engine stats round_context)
-            ctx = np.asarray(stats["round_context"], np.int64).reshape(-1, 2)
+            ctx = np.asarray(stats["round_context"], np.int64).reshape(-1, 4)
             steady = ctx[:, 1].astype(bool)
             if steady.any():
                 cell["step_median_rel_error_overlapped"] = float(np.median(np.abs(pred - meas)[steady] / meas[steady]))
             cell["step_rounds"] = {"predicted_s": pred[:4000].tolist(), "table_s": table[:4000].tolist(),
                                    "measured_s": meas[:4000].tolist(), "committed": ctx[:4000, 0].tolist(),
-                                   "overlapped": steady[:4000].tolist()}
+                                   "overlapped": steady[:4000].tolist(), "batch_size": ctx[:4000, 2].tolist(),
+                                   "budget": ctx[:4000, 3].tolist()}
         cells[a] = cell
     return cells
 

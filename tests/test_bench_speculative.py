@@ -30,7 +30,7 @@ class _FakeEngine:
             self.stats["predicted_step_s"].append((i + 1) * 1e-3)
             self.stats["table_step_s"].append(1e-3)
             self.stats["measured_step_s"].append(meas)
-            self.stats["round_context"].append((i + 1, i > 0))
+            self.stats["round_context"].append((i + 1, i > 0, 8 - i, 3 * i))
         return [_Result() for _ in prompts]
 
 
@@ -40,6 +40,7 @@ def test_step_time_accounting_and_per_round_record():
     rounds = cell["step_rounds"]
     assert rounds["committed"] == [1, 2, 3] * 2 and rounds["overlapped"] == [False, True, True] * 2
     assert rounds["measured_s"] == [2e-3, 2e-3, 4e-3] * 2
+    assert rounds["batch_size"] == [8, 7, 6] * 2 and rounds["budget"] == [0, 3, 6] * 2
     assert cell["step_predicted_ms"] == pytest.approx(2.0) and cell["step_measured_ms"] == pytest.approx(2.0)
     # relative errors 0.5, 0, 0.25 per pass: median 0.25; overlapped rounds only: 0, 0.25 -> 0.125
     assert cell["step_median_rel_error"] == pytest.approx(0.25)

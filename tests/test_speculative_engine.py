@@ -198,6 +198,9 @@ def test_level_correction_learns_from_every_read_round_and_stays_lossless(pair, 
     ctx = np.asarray(eng.stats["round_context"])
     assert len(ctx) == len(pred) and ctx[:, 0].sum() == sum(len(g.token_ids) for g in got) - len(got)
     assert not ctx[0, 1] and ctx[:, 1].any()  # the first round had nothing in flight; later ones did
+    # ... and its batch size and budget, as the round log has them
+    log = np.asarray([(bs, k) for bs, k, *_ in eng.stats["round_log"]])
+    np.testing.assert_array_equal(ctx[:, 2:], log)
 
 
 def test_compact_and_cap_accept_commit_identical_tokens(pair):

@@ -177,9 +177,10 @@ class SpeculativeEngine(Engine):
         self._slot_of: dict[str, int] = {}
         self._slot_gen = np.full(self.ec.max_running_requests, -1, np.int64)
         self._gen_counter = 0
-        # round_context: (tokens committed, overlapped) of each round with a prediction, beside
-        # predicted / table / measured, so a prediction error can be traced to what the table
-        # cannot see (rounds committing many tokens; rounds after a drain, run without overlap)
+        # round_context: (tokens committed, overlapped, batch size, budget K) of each round with a
+        # prediction, beside predicted / table / measured, so a prediction error can be traced to
+        # what the table cannot see (rounds committing many tokens; rounds after a drain, run
+        # without overlap) and another correction can be replayed on the same rounds offline
         self.stats = new_round_stats("predicted_step_s", "table_step_s", "measured_step_s", "round_context",
                                      "round_log")
         from dspark_jax.calibration.metrics import ConfidenceMetricsAccumulator
@@ -374,7 +375,7 @@ class SpeculativeEngine(Engine):
             if r.status is Status.FINISHED:
                 self._slot_of.pop(r.id, None)
         if rnd.predicted_s is not None:
-            self.stats["round_context"].append((sum(len(c) for c in commits), rnd.overlapped))
+            self.stats["round_context"].append((sum(len(c) for c in commits), rnd.overlapped, bs, rnd.budget))
         if self._recorder is not None:  # after the commit: a row knows whether its request ended here
             final = np.array([r.status is Status.FINISHED for r in rnd.reqs])[alive]
             self._recorder.add(out.confidence_logits[:bs][alive], out.block_accept[:bs][alive], final)
