@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="learn the cost table's level from measured rounds with this moving-average weight in "
                          "(0, 1], e.g. 0.1 (needs --sps-table-path; windows then follow wall-clock timing, so a "
                          "seeded T > 0 run is not reproducible)")
+    ap.add_argument("--sps-min-gain", type=float, default=None, metavar="G",
+                    help="trim only when the predicted throughput beats verify-all by this fraction (>= 0; "
+                         "default 0.04, SpeculativeConfig.min_predicted_gain)")
     ap.add_argument("--sts-path", default=None, help="STS temperatures JSON (default: the drafter folder's "
                     "sts.json if it has one, else identity)")
     ap.add_argument("--record-sts-dir", default=None,
@@ -157,6 +160,7 @@ def _speculative_engine(args, model_path, ec):
         cost_table=load_cost_table(args.sps_table_path),
         record_sts_dir=args.record_sts_dir,
         step_time_correction=level_correction(args.sps_level_correction, args.sps_table_path),
+        **min_gain(args.sps_min_gain),
     )
     return SpeculativeEngine.from_pretrained(model_path, draft, ec, spec, block_size=args.block_size)
 
@@ -172,6 +176,15 @@ def level_correction(weight: float | None, table_path) -> float | None:
     return weight
 
 
+def min_gain(gain: float | None) -> dict:
+    """--sps-min-gain, checked, as SpeculativeConfig keyword arguments (none given: its default)."""
+    if gain is None:
+        return {}
+    if not gain >= 0:
+        raise ValueError(f"--sps-min-gain must be >= 0, got {gain}")
+    return {"min_predicted_gain": float(gain)}
+
+
 def _mtp_engine(args, model_path, ec):
     from dspark_jax.default_model import default_mtp_path
     from dspark_jax.engine.mtp_engine import MTPEngine
@@ -180,7 +193,8 @@ def _mtp_engine(args, model_path, ec):
     dspark_only = [f for f, v in (("--verify-mode", args.verify_mode != "static"), ("--block-size", args.block_size),
                                   ("--sps-table-path", args.sps_table_path), ("--sts-path", args.sts_path),
                                   ("--record-sts-dir", args.record_sts_dir),
-                                  ("--sps-level-correction", args.sps_level_correction)) if v]
+                                  ("--sps-level-correction", args.sps_level_correction),
+                                  ("--sps-min-gain", args.sps_min_gain is not None)) if v]
     if dspark_only:
         raise ValueError(f"{', '.join(dspark_only)}: DSpark options, not used by --speculative mtp")
     return MTPEngine.from_pretrained(model_path, draft, ec, num_steps=args.mtp_steps)

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sps-level-correction", type=float, metavar="WEIGHT",
                     help="learn the cost table's level from measured rounds (moving-average weight in (0, 1], "
                          "e.g. 0.1; needs --sps-table-path; seeded T > 0 output then follows timing)")
+    ap.add_argument("--sps-min-gain", type=float, metavar="G",
+                    help="trim only when the predicted throughput beats verify-all by this fraction (>= 0; "
+                         "default 0.04)")
     ap.add_argument("--sts-path", help="STS confidence calibration JSON; default: the drafter folder's sts.json "
                     "if it has one, else identity temperatures")
     ap.add_argument("--max-running-requests", type=int, default=16, help="decode slots (continuous batching)")
@@ -78,7 +81,8 @@ def resolve(args, ap) -> dict:
                      "(the embedded one only serves the embedded default model)")
         dspark_only = [f for f, v in (("--verify-mode", args.verify_mode != "static"), ("--block-size", args.block_size),
                                       ("--sps-table-path", args.sps_table_path), ("--sts-path", args.sts_path),
-                                      ("--sps-level-correction", args.sps_level_correction)) if v]
+                                      ("--sps-level-correction", args.sps_level_correction),
+                                      ("--sps-min-gain", args.sps_min_gain is not None)) if v]
         if dspark_only:
             ap.error(f"{', '.join(dspark_only)}: DSpark options, not used by --speculative-algorithm MTP")
     elif args.mtp_steps is not None:
@@ -90,10 +94,11 @@ def resolve(args, ap) -> dict:
         if using_default and default_drafter_path() is None:
             log.info("no DSpark drafter is shipped for the embedded default model yet: serving it non-speculatively")
     if algo == "DSPARK":
-        from dspark_jax.generate import level_correction
+        from dspark_jax.generate import level_correction, min_gain
 
         try:
             level_correction(args.sps_level_correction, args.sps_table_path)
+            min_gain(args.sps_min_gain)
         except ValueError as e:
             ap.error(str(e))
     return {"model_path": model_path, "draft": Path(draft) if draft else None, "algo": algo}
@@ -128,12 +133,13 @@ def build_engine(args, r: dict):
         return MTPEngine.from_pretrained(r["model_path"], r["draft"], ec, num_steps=args.mtp_steps)
     from dspark_jax.calibration.sts import StsCalibration
     from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
-    from dspark_jax.generate import level_correction
+    from dspark_jax.generate import level_correction, min_gain
     from dspark_jax.speculative.cost_model import load_cost_table
 
     spec = SpeculativeConfig(mode=args.verify_mode, cost_table=load_cost_table(args.sps_table_path),
                              sts=StsCalibration.load(args.sts_path) if args.sts_path else None,  # else the folder's
-                             step_time_correction=level_correction(args.sps_level_correction, args.sps_table_path))
+                             step_time_correction=level_correction(args.sps_level_correction, args.sps_table_path),
+                             **min_gain(args.sps_min_gain))
     return SpeculativeEngine.from_pretrained(r["model_path"], r["draft"], ec, spec, block_size=args.block_size)
 
 

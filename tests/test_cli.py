@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from dspark_jax.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +72,19 @@ def test_speculative_flags_give_plain_greedy_tokens_and_spec_stats(hf_model_dir,
     assert [got["token_ids"] for got in lines] == [w.token_ids for w in want]
     p = _run(*common, "--sps-level-correction", "0.3")
     assert p.returncode == 1 and "--sps-table-path" in p.stderr
+    p = _run(*common, "--sps-min-gain", "-1")
+    assert p.returncode == 1 and "--sps-min-gain must be >= 0" in p.stderr
     p = _run(*common, "--block-size", "7")
     assert p.returncode == 1 and "block size" in p.stderr
     p = _run(*common[:-2])  # no drafter folder and none embedded
     assert p.returncode == 1 and "--draft-model-path" in p.stderr
+
+
+def test_min_gain_flag_sets_the_schedulers_guard():
+    from dspark_jax.engine.speculative import SpeculativeConfig
+    from dspark_jax.generate import min_gain
+
+    assert SpeculativeConfig(**min_gain(None)).min_predicted_gain == SpeculativeConfig().min_predicted_gain == 0.04
+    assert SpeculativeConfig(**min_gain(0.0)).min_predicted_gain == 0.0
+    with pytest.raises(ValueError, match=">= 0"):
+        min_gain(float("nan"))
