@@ -67,7 +67,7 @@ class SpeculativeConfig:
     # config default; None: always take the argmax).  A latency-bound target's round costs nearly
     # the same at any verify length, so noise in the profiled table or in the confidences would
     # otherwise buy trims that lose accepted tokens and save no time: with the default pair at
-    # batch 64 on the H200, compact with the table and no guard ran 10-23% slower than verify-all
+    # batch 64 on the H200, compact with the table and no guard ran 5-23% slower than verify-all
     # (benchmarks/results/speculative_default_gpu_bs8-64_d8852f2.md).
     min_predicted_gain: float | None = 0.04
     # Learn the cost table's level from measured rounds (moving-average weight, e.g. 0.1; None:
