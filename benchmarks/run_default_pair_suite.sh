@@ -67,7 +67,7 @@ for stage in $STAGES; do
     bench)
       table=(); [ -f "$TABLE" ] && table=(--sps-table-path "$TABLE")
       arms=${ARMS:-none,static,compact+table,compact,mtp}
-      [ ${#table[@]} -eq 0 ] && arms=${arms/compact+table,/}
+      [ ${#table[@]} -eq 0 ] && arms=$(tr , '\n' <<< "$arms" | grep -vx 'compact+table' | paste -sd, -)
       # shellcheck disable=SC2086
       timeout $(( $(left) - ${BENCH_RESERVE:-60} )) "$PYTHON" benchmarks/bench_speculative.py --corpus "$CORPUS" \
           --arms "$arms" "${table[@]}" ${BENCH_ARGS:-} --out-dir "$OUT" > "$OUT/bench.log" 2>&1 \

@@ -185,16 +185,22 @@ def min_gain(gain: float | None) -> dict:
     return {"min_predicted_gain": float(gain)}
 
 
+def dspark_only_flags(args) -> list[str]:
+    """The DSpark-only options set in ``args`` (the CLI's or the server's; the server has no
+    --record-sts-dir), for the error when another algorithm is chosen."""
+    given = (("--verify-mode", args.verify_mode != "static"), ("--block-size", args.block_size),
+             ("--sps-table-path", args.sps_table_path), ("--sts-path", args.sts_path),
+             ("--record-sts-dir", getattr(args, "record_sts_dir", None)),
+             ("--sps-level-correction", args.sps_level_correction), ("--sps-min-gain", args.sps_min_gain is not None))
+    return [flag for flag, set_ in given if set_]
+
+
 def _mtp_engine(args, model_path, ec):
     from dspark_jax.default_model import default_mtp_path
     from dspark_jax.engine.mtp_engine import MTPEngine
 
     draft = _drafter_folder(args, default_mtp_path, "an MTP drafter folder")
-    dspark_only = [f for f, v in (("--verify-mode", args.verify_mode != "static"), ("--block-size", args.block_size),
-                                  ("--sps-table-path", args.sps_table_path), ("--sts-path", args.sts_path),
-                                  ("--record-sts-dir", args.record_sts_dir),
-                                  ("--sps-level-correction", args.sps_level_correction),
-                                  ("--sps-min-gain", args.sps_min_gain is not None)) if v]
+    dspark_only = dspark_only_flags(args)
     if dspark_only:
         raise ValueError(f"{', '.join(dspark_only)}: DSpark options, not used by --speculative mtp")
     return MTPEngine.from_pretrained(model_path, draft, ec, num_steps=args.mtp_steps)

@@ -79,10 +79,9 @@ def resolve(args, ap) -> dict:
         if draft is None:
             ap.error("--speculative-algorithm MTP needs --draft-model-path, an MTP drafter folder "
                      "(the embedded one only serves the embedded default model)")
-        dspark_only = [f for f, v in (("--verify-mode", args.verify_mode != "static"), ("--block-size", args.block_size),
-                                      ("--sps-table-path", args.sps_table_path), ("--sts-path", args.sts_path),
-                                      ("--sps-level-correction", args.sps_level_correction),
-                                      ("--sps-min-gain", args.sps_min_gain is not None)) if v]
+        from dspark_jax.generate import dspark_only_flags
+
+        dspark_only = dspark_only_flags(args)
         if dspark_only:
             ap.error(f"{', '.join(dspark_only)}: DSpark options, not used by --speculative-algorithm MTP")
     elif args.mtp_steps is not None:
