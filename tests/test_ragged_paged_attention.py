@@ -347,6 +347,18 @@ def test_split_rule_hand_cases():
             assert 1 <= n <= 32 and (n == 1 or n * 512 <= ctx), (b, ctx, n)
 
 
+def test_lone_sequence_verify_uses_decode_rows():
+    """A single sequence's short verify runs 16-row q tiles (several programs per kv head); two
+    sequences, or a prefill chunk, keep the wider tiles."""
+    cfg = lambda T, S, hq=32, hkv=8: block_config(T, S, 256, 16, hq, hkv, 128, jnp.bfloat16, num_sms=132)
+    assert (cfg(8, 1).block_q, cfg(8, 1).block_m, cfg(8, 1).block_n) == (4, 16, 128)
+    assert cfg(8, 1, 64, 8).block_q == 2  # GQA 8: 2 tokens x 8 heads per tile
+    assert cfg(4, 1).block_m == 16  # q_len 4 fits one 16-row tile either way
+    assert cfg(16, 2).block_m == 32  # two sequences at q_len 8: the small-batch verify tile
+    assert cfg(512, 1).block_m == 64  # a prefill chunk: unchanged
+    assert (cfg(8, 1, 8, 8).block_q, cfg(8, 1, 8, 8).block_m) == (16, 16)  # GQA 1: one 16-row tile
+
+
 def test_block_shapes_static():
     """Every block shape on the GPU path is a power of two and every dot tile is >= 16."""
     seen = 0
