@@ -2,15 +2,17 @@
 
 On the GPU host a batch-64 round of the embedded default pair spent ~1.8 ms inside the call of
 the round executable (benchmarks/results/host_round_profile_bs64_compact_math_gpu_*.txt), more
-than any other host step.  That call flattens the argument pytrees, transfers the round's ~12
-small host arrays (SpecInputs) to the device and launches.  The engine now passes its parameter
-states as flat leaf lists (dspark_jax/engine/flat_state.py; on a 2-core CPU that cut the call from
-~0.73 to ~0.59 ms).  This replays one real round's arguments (captured from a SpeculativeEngine at
---batch-size) and times the call, returning as soon as the work is enqueued, in two forms:
+than any other host step.  That call flattens the argument pytrees, transfers the round's host
+inputs to the device and launches.  The engine passes its parameter states as flat leaf lists
+(dspark_jax/engine/flat_state.py) and, since the e24605b runs here showed the 12 separate input
+transfers costing 0.4-0.6 ms of a ~1.7 ms device round (dispatch_bs64_gpu_*_e24605b.md), its
+host inputs packed into one int32 buffer (dspark_jax/engine/host_pack.py).  This replays one
+real round's arguments (captured from a SpeculativeEngine at --batch-size) and times the call,
+returning as soon as the work is enqueued, in two forms:
 
-  as sent           what the engine sends: flat state lists, SpecInputs of host arrays
-  inputs on device  the same with SpecInputs put on the device beforehand: what packing the
-                    inputs into fewer transfers could save at most
+  as sent           what the engine sends: flat state lists, the packed host buffer
+  inputs on device  the same with the buffer put on the device beforehand: what the one
+                    remaining transfer costs
 
 Each form: --calls calls, each followed by a wait for the device (so queues never fill), the
 dispatch time alone (call to return) reported as the median; JSON + markdown via write_results.
@@ -91,21 +93,22 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     fn, call_args, eng = capture_round(args.batch_size)
-    tstate, dstate, _, _, inp, sts = call_args  # the states as the engine passes them (flat lists)
+    # the states as the engine passes them (flat lists), the packed host inputs, the device fields
+    tstate, dstate, _, _, packed, fed, sts = call_args
     tcache, dcache = eng.tcache, eng.dcache
-    on_device = jax.device_put(inp)
-    n_host = sum(isinstance(x, np.ndarray) or np.isscalar(x) for x in jax.tree.leaves(inp))
+    on_device = jax.device_put(packed)
+    n_host = sum(isinstance(x, np.ndarray) or np.isscalar(x) for x in jax.tree.leaves(packed))
     # The round donates both caches: every call hands the next one the caches it returned.
     state = {"tc": tcache, "dc": dcache}
 
     def as_sent(inputs):
         def call():
-            out, state["tc"], state["dc"] = fn(tstate, dstate, state["tc"], state["dc"], inputs, sts)
+            out, state["tc"], state["dc"] = fn(tstate, dstate, state["tc"], state["dc"], inputs, fed, sts)
             return out
         return call
 
     timed = {
-        "as sent": time_dispatch(as_sent(inp), args.calls),
+        "as sent": time_dispatch(as_sent(packed), args.calls),
         "inputs on device": time_dispatch(as_sent(on_device), args.calls),
     }
     results = {k: v[0] for k, v in timed.items()}

@@ -31,6 +31,7 @@ from flax import nnx
 
 from dspark_jax.engine.engine import Engine, EngineConfig
 from dspark_jax.engine.flat_state import flatten_states, with_flat_states
+from dspark_jax.engine.host_pack import HostPack, with_packed_inputs
 from dspark_jax.engine.request import Status
 from dspark_jax.engine.spec_rounds import commit_round, new_round_stats, summarize_rounds
 from dspark_jax.forward_batch import shape_struct
@@ -68,11 +69,13 @@ class MTPEngine(Engine):
             with_flat_states(functools.partial(mtp_prefill_step, self.target_def, self.drafter_def,
                                                **self.draft_step_options(prefill=True)),
                              state_defs), donate_argnums=(2, 3, 4))
+        # host inputs packed into one transfer, as the DSpark engine's rounds (engine/host_pack.py)
         self._spec_jit = jax.jit(
-            with_flat_states(functools.partial(mtp_spec_step, self.target_def, self.drafter_def,
-                                               page_size=self.pool.page_size, **self.draft_step_options(prefill=False)),
-                             state_defs),
-            donate_argnums=(2, 3, 4), static_argnames=("num_tokens",))
+            with_packed_inputs(with_flat_states(
+                functools.partial(mtp_spec_step, self.target_def, self.drafter_def, page_size=self.pool.page_size,
+                                  **self.draft_step_options(prefill=False)), state_defs), index=5),
+            donate_argnums=(2, 3, 4), static_argnames=("num_tokens", "pack"))
+        self._spec_packs: dict[int, HostPack] = {}  # by S: the round inputs' layout
         self._compiled: dict = {}
         self._slot_of: dict[str, int] = {}
         self.stats = new_round_stats()
@@ -134,9 +137,10 @@ class MTPEngine(Engine):
             i32 = np.int32
             inp = MTPInputs(s((S,), i32), s((S,), i32), s((S, self.pages_per_seq), i32), s((S,), np.bool_), s((), i32),
                             s((S,), i32), s((S,), np.float32), s((S,), i32), s((S,), np.float32), s((S,), np.uint32))
+            pack = self._spec_packs.setdefault(S, HostPack.of(inp))
             self._compiled[key] = self._spec_jit.lower(
                 *self.state_args, self._abstract(self.tcache), self._abstract(self.dcache),
-                self._abstract(self.pending), inp, num_tokens=T).compile()
+                self._abstract(self.pending), pack.spec(), (), num_tokens=T, pack=pack).compile()
         return self._compiled[key]
 
     # -- slots ------------------------------------------------------------------------------
@@ -184,8 +188,8 @@ class MTPEngine(Engine):
                         table, live, np.int32(bs), pad([self._slot_of[r.id] for r in reqs], np.int32),
                         temp, top_k, top_p, seed)
         fn = self._compiled_spec(T, S)
-        out, self.tcache, self.dcache, self.pending = fn(*self.state_args, self.tcache,
-                                                         self.dcache, self.pending, inp)
+        out, self.tcache, self.dcache, self.pending = fn(*self.state_args, self.tcache, self.dcache, self.pending,
+                                                         self._spec_packs[S].pack(inp), ())
         return self._commit(reqs, jax.device_get(out))  # the one host read per round
 
     def _commit(self, reqs, out: MTPOutputs):

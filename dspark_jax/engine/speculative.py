@@ -43,6 +43,7 @@ from dspark_jax.calibration.sts import StsCalibration
 from dspark_jax.drafter.model import DSparkDrafter
 from dspark_jax.engine.engine import Engine, EngineConfig
 from dspark_jax.engine.flat_state import flatten_states, with_flat_states
+from dspark_jax.engine.host_pack import HostPack, with_packed_inputs
 from dspark_jax.engine.request import Status
 from dspark_jax.engine.spec_rounds import commit_round, new_round_stats, summarize_rounds
 from dspark_jax.forward_batch import shape_struct
@@ -55,6 +56,8 @@ from dspark_jax.speculative.tiers import TokenTiers
 from dspark_jax.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+SPEC_DEVICE_FIELDS = ("fed_anchor", "fed_start")  # left on the device by the previous round
 
 
 @dataclasses.dataclass
@@ -161,13 +164,15 @@ class SpeculativeEngine(Engine):
             with_flat_states(functools.partial(prefill_step, self.target_def, self.drafter_def,
                                                **self.draft_step_options(prefill=True)),
                              state_defs), donate_argnums=(2, 3))
+        # A round takes its host inputs as one packed buffer (engine/host_pack.py: one transfer).
         self._spec_jit = {}
         for mode in MODES:
             self._spec_jit[mode] = jax.jit(
-                with_flat_states(functools.partial(spec_step, self.target_def, self.drafter_def, mode=mode,
-                                                   page_size=ps, **self.draft_step_options(prefill=False)),
-                             state_defs),
-                donate_argnums=(2, 3), static_argnames=("num_tokens",))
+                with_packed_inputs(with_flat_states(
+                    functools.partial(spec_step, self.target_def, self.drafter_def, mode=mode, page_size=ps,
+                                      **self.draft_step_options(prefill=False)), state_defs), index=4),
+                donate_argnums=(2, 3), static_argnames=("num_tokens", "pack"))
+        self._spec_packs: dict[int, HostPack] = {}  # by S: the round inputs' layout
         self._compiled: dict = {}
         self._num_probes = self.estimator.max_pending if self.estimator is not None else 0
         self._step = 0  # rounds dispatched
@@ -255,10 +260,20 @@ class SpeculativeEngine(Engine):
             inp = SpecInputs(s((S,), i32), s((S,), i32), s((S, self.pages_per_seq), i32), s((S,), np.bool_), s((), i32),
                              s((), i32), s((S,), np.float32), s((S,), i32), s((S,), np.float32), s((S,), np.uint32),
                              s((R,), i32), s((R,), i32), s((S,), i32), s((S, self.gamma + 1, self._num_probes), i32))
+            pack = self._spec_packs.setdefault(S, HostPack.of(inp, device_fields=SPEC_DEVICE_FIELDS))
             self._compiled[key] = self._spec_jit[self.spec.mode].lower(
-                *self.state_args, self._abstract(self.tcache), self._abstract(self.dcache), inp,
-                self._abstract(self.sts_temperatures), num_tokens=T).compile()
+                *self.state_args, self._abstract(self.tcache), self._abstract(self.dcache), pack.spec(),
+                pack.device(inp), self._abstract(self.sts_temperatures), num_tokens=T, pack=pack).compile()
         return self._compiled[key]
+
+    def _run_round(self, T: int, S: int, inp: SpecInputs) -> SpecOutputs:
+        """Dispatch the compiled round of tier (T, S) on `inp` (host fields packed into one transfer);
+        the caches are donated and replaced."""
+        fn = self._compiled_spec(T, S)
+        pack = self._spec_packs[S]
+        out, self.tcache, self.dcache = fn(*self.state_args, self.tcache, self.dcache, pack.pack(inp),
+                                           pack.device(inp), self.sts_temperatures)
+        return out
 
     # -- steps ------------------------------------------------------------------------------
     def _prefill(self, chunks):
@@ -326,10 +341,9 @@ class SpeculativeEngine(Engine):
             probes[:bs] = self.estimator.probe_tokens([r.id for r in reqs], start[:bs], G + 1)
         inp = SpecInputs(anchor, start, table, live, np.int32(bs), np.int32(K), temp, top_k, top_p, seed, *fed,
                          fed_index, probes)
-        fn = self._compiled_spec(T, S)
+        self._compiled_spec(T, S)  # compiled before the clock starts (precompile off)
         t0 = time.perf_counter()
-        out, self.tcache, self.dcache = fn(*self.state_args, self.tcache, self.dcache, inp,
-                                           self.sts_temperatures)
+        out = self._run_round(T, S, inp)
         for x in jax.tree.leaves((out[:7], out.estimate)):  # what _read needs; the fed arrays stay on device
             x.copy_to_host_async()
         return _Round(reqs, out, slots, generations, step, K, T, predicted, t0, prev is not None)

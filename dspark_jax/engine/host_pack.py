@@ -1,0 +1,99 @@
+"""One host-to-device transfer per step: a step's small host arrays packed into one int32 buffer.
+
+A speculative round takes a dozen small host arrays (anchors, positions, page tables, sampling
+parameters, ...).  Handed to a compiled executable one by one, each is its own host-to-device
+transfer: on the H200, a batch-64 DSpark round of the embedded default pair spent 1.94 ms in the
+call with its inputs on the host and 1.51 ms with them already on the device (command buffers
+off; 1.70 vs 1.11 ms with them on), against 1.67 ms of device time
+(benchmarks/results/dispatch_bs64_gpu_*_e24605b.md) -- the host was the bound.  Packing them
+into one buffer makes that one transfer; the step slices and bitcasts the fields back while
+tracing, which is free at run time.
+
+Fields must be 4-byte (int32, uint32, float32) or bool; fields named as device fields (arrays a
+previous step left on the device) are passed through untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_PACKABLE = ("int32", "uint32", "float32", "bool")
+
+
+@dataclasses.dataclass(frozen=True)
+class HostPack:
+    """Where each host field of a NamedTuple sits in one flat int32 buffer (hashable: a static
+    argument of the jitted step)."""
+
+    cls: type  # the NamedTuple class
+    fields: tuple[tuple[str, tuple[int, ...], str, int], ...]  # (name, shape, dtype, offset), host fields
+    device_fields: tuple[str, ...]
+    size: int
+
+    @classmethod
+    def of(cls, abstract: NamedTuple, device_fields: tuple[str, ...] = ()) -> "HostPack":
+        """The layout of `abstract` (a NamedTuple of arrays or ShapeDtypeStructs)."""
+        names = type(abstract)._fields
+        unknown = set(device_fields) - set(names)
+        if unknown:
+            raise ValueError(f"device fields {sorted(unknown)} are not fields of {type(abstract).__name__}")
+        fields, offset = [], 0
+        for name in names:
+            if name in device_fields:
+                continue
+            leaf = getattr(abstract, name)
+            dtype = np.dtype(leaf.dtype).name
+            if dtype not in _PACKABLE:
+                raise ValueError(f"{type(abstract).__name__}.{name}: dtype {dtype} cannot be packed (one of {_PACKABLE})")
+            shape = tuple(int(d) for d in leaf.shape)
+            fields.append((name, shape, dtype, offset))
+            offset += math.prod(shape)
+        return cls(type(abstract), tuple(fields), tuple(device_fields), offset)
+
+    def spec(self) -> jax.ShapeDtypeStruct:
+        """The packed buffer's abstract value (for lowering the step)."""
+        return jax.ShapeDtypeStruct((self.size,), jnp.int32)
+
+    def pack(self, values: NamedTuple) -> np.ndarray:
+        """The host fields of `values` as one int32 numpy buffer."""
+        buf = np.empty(self.size, np.int32)
+        for name, shape, dtype, offset in self.fields:
+            a = np.asarray(getattr(values, name))
+            if a.shape != shape:
+                raise ValueError(f"{self.cls.__name__}.{name}: shape {a.shape}, layout expects {shape}")
+            a = np.ascontiguousarray(a, dtype=np.int32 if dtype == "bool" else dtype)
+            buf[offset : offset + a.size] = a.reshape(-1).view(np.int32)
+        return buf
+
+    def device(self, values: NamedTuple) -> tuple:
+        """The device fields of `values`, in layout order (passed beside the buffer)."""
+        return tuple(getattr(values, name) for name in self.device_fields)
+
+    def unpack(self, buf, device: tuple) -> Any:
+        """Traced inverse of pack + device: the NamedTuple the step computes with."""
+        out = dict(zip(self.device_fields, device))
+        for name, shape, dtype, offset in self.fields:
+            piece = buf[offset : offset + math.prod(shape)].reshape(shape)
+            if dtype == "bool":
+                piece = piece != 0
+            elif dtype != "int32":
+                piece = jax.lax.bitcast_convert_type(piece, jnp.dtype(dtype))
+            out[name] = piece
+        return self.cls(**out)
+
+
+def with_packed_inputs(fn, index: int):
+    """``fn(*args)`` whose argument `index` is a NamedTuple, as a function taking instead the packed
+    buffer and the device-field tuple at `index`, `index + 1`, and the layout as keyword ``pack``."""
+
+    def call(*args, pack: HostPack, **kwargs):
+        inputs = pack.unpack(args[index], args[index + 1])
+        return fn(*args[:index], inputs, *args[index + 2 :], **kwargs)
+
+    return call
