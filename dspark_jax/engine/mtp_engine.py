@@ -33,7 +33,7 @@ from dspark_jax.engine.engine import Engine, EngineConfig
 from dspark_jax.engine.flat_state import flatten_states, with_flat_states
 from dspark_jax.engine.host_pack import HostPack, with_packed_inputs
 from dspark_jax.engine.request import Status
-from dspark_jax.engine.spec_rounds import commit_round, new_round_stats, summarize_rounds
+from dspark_jax.engine.spec_rounds import commit_rounds, new_round_stats, summarize_rounds
 from dspark_jax.forward_batch import shape_struct
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
 from dspark_jax.mtp.model import MTPDrafter, allocate_mtp_cache
@@ -194,14 +194,12 @@ class MTPEngine(Engine):
 
     def _commit(self, reqs, out: MTPOutputs):
         """Commit drafts[:a] + bonus per request (cut at a stop condition) and record the round."""
-        events = []
         self.stats["rounds"] += 1
-        for i, r in enumerate(reqs):
-            committed = commit_round(self.stats, r, out.drafts[i], out.num_accepted[i], out.bonus[i],
-                                     out.verify_lens[i], out.block_accept[i])
-            events.append((r, committed))
+        done = commit_rounds(self.stats, reqs, out.drafts, out.num_accepted, out.bonus, out.verify_lens,
+                             out.block_accept)
+        for _, r, _, _ in done:
             self._release_if_finished(r)
-        return events
+        return [(r, committed) for _, r, _, committed in done]
 
     def summary(self) -> dict:
         """Aggregate speculative statistics since start-up, with the keys the DSpark engine reports."""

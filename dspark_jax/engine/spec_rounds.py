@@ -11,6 +11,8 @@ import collections
 
 import numpy as np
 
+from dspark_jax.engine.request import Status
+
 STATS_WINDOW = 65536  # per-request-round samples kept for summary(): a long-running server stays bounded
 
 
@@ -21,19 +23,34 @@ def new_round_stats(*extra: str) -> dict:
     return {"rounds": 0, "samples": 0, **{k: window() for k in keys}}
 
 
-def commit_round(stats: dict, r, drafts, num_accepted: int, bonus: int, verify_len: int, block_accept: int) -> list[int]:
-    """Commit drafts[:a] + bonus to request r (cut at a stop condition) and record the round;
-    returns the tokens committed.  r's anchor is its last committed token."""
-    a = int(num_accepted)
-    start = r.total_len - 1
-    committed = r.append_tokens(list(drafts[:a]) + [int(bonus)])
-    r.num_cached = start + a + 1
-    r.spec_rounds.append((a + 1, int(verify_len), int(block_accept) + 1))
-    stats["accept_lens"].append(a + 1)
-    stats["verify_lens"].append(int(verify_len))
-    stats["block_accept_lens"].append(int(block_accept) + 1)
-    stats["samples"] += 1  # total ever appended (the deques keep only the last window)
-    return committed
+def commit_rounds(stats: dict, reqs, drafts, num_accepted, bonus, verify_lens, block_accept) -> list[tuple]:
+    """Commit row i's drafts[:a_i] + bonus_i to reqs[i] (cut at a stop condition) for every request
+    not already finished, and record the round; returns (row, request, start, committed tokens) per
+    committed request.  A request's anchor is its last committed token, at position start.
+
+    The round's arrays become Python lists once (a per-element int() of numpy scalars was most of
+    the commit time at batch 64) and the statistics windows grow once per round."""
+    n = len(reqs)
+    drafts, acc, bonus, win, blk = (np.asarray(x)[:n].tolist()
+                                    for x in (drafts, num_accepted, bonus, verify_lens, block_accept))
+    done, accept_lens, verify, block = [], [], [], []
+    for i, r in enumerate(reqs):
+        if r.status is Status.FINISHED:
+            continue  # finished (or aborted) in an earlier round: this round was speculative work
+        a = acc[i]
+        start = r.total_len - 1
+        committed = r.append_tokens(drafts[i][:a] + [bonus[i]])
+        r.num_cached = start + a + 1
+        r.spec_rounds.append((a + 1, win[i], blk[i] + 1))
+        accept_lens.append(a + 1)
+        verify.append(win[i])
+        block.append(blk[i] + 1)
+        done.append((i, r, start, committed))
+    stats["accept_lens"].extend(accept_lens)
+    stats["verify_lens"].extend(verify)
+    stats["block_accept_lens"].extend(block)
+    stats["samples"] += len(done)  # total ever appended (the deques keep only the last window)
+    return done
 
 
 def summarize_rounds(stats: dict, gamma: int) -> dict:

@@ -45,7 +45,7 @@ from dspark_jax.engine.engine import Engine, EngineConfig
 from dspark_jax.engine.flat_state import flatten_states, with_flat_states
 from dspark_jax.engine.host_pack import HostPack, with_packed_inputs
 from dspark_jax.engine.request import Status
-from dspark_jax.engine.spec_rounds import commit_round, new_round_stats, summarize_rounds
+from dspark_jax.engine.spec_rounds import commit_rounds, new_round_stats, summarize_rounds
 from dspark_jax.forward_batch import shape_struct
 from dspark_jax.kv_cache import KVCache
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
@@ -376,16 +376,13 @@ class SpeculativeEngine(Engine):
             self.confidence_metrics.update(out.survival[:bs][alive], labels[alive])
         if self.spec.mode != "static":
             self.scheduler_conf.observe(rnd.step, out.survival[:bs], rnd.generations, slots=rnd.slots)
-        events, starts, commits = [], [], []
         self.stats["rounds"] += 1
-        for i, r in enumerate(rnd.reqs):
-            if r.status is Status.FINISHED:
-                continue  # finished (or aborted) in an earlier round: this round was speculative work
-            starts.append(r.total_len - 1)
-            committed = commit_round(self.stats, r, out.drafts[i], out.num_accepted[i], out.bonus[i],
-                                     out.verify_lens[i], out.block_accept[i])
-            commits.append(committed)
-            events.append((r, committed))
+        done = commit_rounds(self.stats, rnd.reqs, out.drafts, out.num_accepted, out.bonus, out.verify_lens,
+                             out.block_accept)
+        events = [(r, committed) for _, r, _, committed in done]
+        starts = [start for _, _, start, _ in done]
+        commits = [committed for *_, committed in done]
+        for r, _ in events:
             if r.status is Status.FINISHED:
                 self._slot_of.pop(r.id, None)
         if rnd.predicted_s is not None:
