@@ -154,7 +154,10 @@ def main(argv=None):
                "rms_seconds": fit.rms_seconds, "r_squared": fit.r_squared, "max_relative_error": float(rel.max()),
                "median_relative_error": float(np.median(rel))}
     name = f"sps_table_{env['platform']}{args.tag}"
-    for d in [Path(__file__).parent / "results", *map(Path, args.out_dir)]:
+    # as write_results: into --out-dir when given (a smoke or device run leaves the repository's
+    # results alone), else benchmarks/results
+    out_dirs = [Path(d) for d in args.out_dir] or [Path(__file__).parent / "results"]
+    for d in out_dirs:
         d.mkdir(parents=True, exist_ok=True)
         fit.table.save(d / f"{name}.table.json")
     md = [f"# SPS cost table ({env['device']}, jax {env['jax']}, {env['date']}, commit {env['commit']})\n",
@@ -182,7 +185,7 @@ def main(argv=None):
         ax.set_ylabel("predicted step ms")
         ax.set_title(f"additive SPS model, {env['device']}")
         fig.tight_layout()
-        for d in [Path(__file__).parent / "results", *map(Path, args.out_dir)]:
+        for d in out_dirs:
             fig.savefig(d / f"{name}.png", dpi=120)
     except ImportError:
         print("matplotlib not installed: no plot")
