@@ -161,6 +161,26 @@ def test_kernel_matches_reference(case):
     assert np.abs(out - ref).max() <= tol
 
 
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("q_len,pad", [(8, 0), (6, 2), (3, 1)])
+def test_lone_sequence_verify_matches_reference(q_len, pad, dtype):
+    """One sequence verifying a short window (the defaults' 16-row q tiles: several programs per
+    kv head, each reading the same K/V), split and unsplit, GQA 4: kernel vs reference."""
+    rng = np.random.default_rng(q_len * 10 + pad)
+    p = _problem(rng, [q_len], [int(rng.integers(q_len + 40, 300))], hq=8, hkv=2, d=64, page_size=16,
+                 dtype=dtype, extra_seqs=0, pad_rows=pad)
+    T, S, P = p["q"].shape[0], p["page_table"].shape[0], p["page_table"].shape[1]
+    assert S == 1 and block_config(T, S, P, 16, 8, 2, 64, dtype).block_m == 16  # the path under test
+    scale = 1.0 / math.sqrt(64)
+    ref = np.asarray(_reference(*_args(p), sm_scale=scale).astype(jnp.float32))
+    tol = 1e-5 if dtype == np.float32 else 2e-2
+    for splits in (None, 3):
+        out = np.asarray(ragged_paged_attention(*_args(p), sm_scale=scale, interpret=True,
+                                                num_splits=splits).astype(jnp.float32))
+        assert np.isfinite(out).all() and (out[p["rows"]:] == 0).all()
+        assert np.abs(out - ref).max() <= tol, splits
+
+
 # Knobs of the verify-vs-decode study (kernel.ADDRESSING / PROLOGUES / PAGE_LOOKUPS), alone and
 # combined, with the tiles the H200 benchmark compares.  Mixed decode / verify (q_len 4-8) /
 # prefill rows, ragged kv lengths, split and unsplit KV ranges.
