@@ -168,12 +168,17 @@ def gpu_warmup(seconds: float = 2.0, size: int = 8192) -> None:
         a.block_until_ready()
 
 
+def result_dirs(out_dirs=()) -> list[Path]:
+    """Where a benchmark writes its results: ``out_dirs`` when any is given, else benchmarks/results."""
+    return [Path(d) for d in out_dirs] or [RESULTS]
+
+
 def write_results(name: str, payload: dict, table_md: str, out_dirs=()) -> list[Path]:
     """JSON + markdown into each of ``out_dirs``, or into benchmarks/results when none is given
     (a run pointed elsewhere, such as a CPU smoke test or a device run's $OUT, leaves the
     repository's results alone: measured files are copied in by hand after reading them)."""
     paths = []
-    for d in map(Path, out_dirs or (RESULTS,)):
+    for d in result_dirs(out_dirs):
         d.mkdir(parents=True, exist_ok=True)
         (d / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
         (d / f"{name}.md").write_text(table_md)

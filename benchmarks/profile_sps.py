@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.common import environment, time_fn, write_results
+from benchmarks.common import environment, result_dirs, time_fn, write_results
 from dspark_jax.engine import EngineConfig
 from dspark_jax.engine.request import Status
 from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
@@ -64,8 +64,6 @@ def steady_inputs(eng: SpeculativeEngine, bs: int, K: int, context: int):
 def device_round_seconds(eng: SpeculativeEngine, bs: int, K: int, args) -> tuple[int, float]:
     """(tier, median seconds) of the compiled round alone on a steady batch."""
     T, S, inp = steady_inputs(eng, bs, K, args.context)
-    eng._compiled_spec(T, S)
-
     def run():  # as the engine dispatches it: the host inputs packed into one transfer
         jax.block_until_ready(eng._run_round(T, S, inp).bonus)
 
@@ -154,9 +152,7 @@ def main(argv=None):
                "rms_seconds": fit.rms_seconds, "r_squared": fit.r_squared, "max_relative_error": float(rel.max()),
                "median_relative_error": float(np.median(rel))}
     name = f"sps_table_{env['platform']}{args.tag}"
-    # as write_results: into --out-dir when given (a smoke or device run leaves the repository's
-    # results alone), else benchmarks/results
-    out_dirs = [Path(d) for d in args.out_dir] or [Path(__file__).parent / "results"]
+    out_dirs = result_dirs(args.out_dir)  # a smoke or device run leaves the repository's results alone
     for d in out_dirs:
         d.mkdir(parents=True, exist_ok=True)
         fit.table.save(d / f"{name}.table.json")

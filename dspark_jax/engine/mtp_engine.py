@@ -197,9 +197,9 @@ class MTPEngine(Engine):
         self.stats["rounds"] += 1
         done = commit_rounds(self.stats, reqs, out.drafts, out.num_accepted, out.bonus, out.verify_lens,
                              out.block_accept)
-        for _, r, _, _ in done:
+        for r, _, _ in done:
             self._release_if_finished(r)
-        return [(r, committed) for _, r, _, committed in done]
+        return [(r, committed) for r, _, committed in done]
 
     def summary(self) -> dict:
         """Aggregate speculative statistics since start-up, with the keys the DSpark engine reports."""

@@ -25,7 +25,7 @@ def new_round_stats(*extra: str) -> dict:
 
 def commit_rounds(stats: dict, reqs, drafts, num_accepted, bonus, verify_lens, block_accept) -> list[tuple]:
     """Commit row i's drafts[:a_i] + bonus_i to reqs[i] (cut at a stop condition) for every request
-    not already finished, and record the round; returns (row, request, start, committed tokens) per
+    not already finished, and record the round; returns (request, start, committed tokens) per
     committed request.  A request's anchor is its last committed token, at position start.
 
     The round's arrays become Python lists once (a per-element int() of numpy scalars was most of
@@ -45,7 +45,7 @@ def commit_rounds(stats: dict, reqs, drafts, num_accepted, bonus, verify_lens, b
         accept_lens.append(a + 1)
         verify.append(win[i])
         block.append(blk[i] + 1)
-        done.append((i, r, start, committed))
+        done.append((r, start, committed))
     stats["accept_lens"].extend(accept_lens)
     stats["verify_lens"].extend(verify)
     stats["block_accept_lens"].extend(block)

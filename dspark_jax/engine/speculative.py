@@ -379,8 +379,8 @@ class SpeculativeEngine(Engine):
         self.stats["rounds"] += 1
         done = commit_rounds(self.stats, rnd.reqs, out.drafts, out.num_accepted, out.bonus, out.verify_lens,
                              out.block_accept)
-        events = [(r, committed) for _, r, _, committed in done]
-        starts = [start for _, _, start, _ in done]
+        events = [(r, committed) for r, _, committed in done]
+        starts = [start for _, start, _ in done]
         commits = [committed for *_, committed in done]
         for r, _ in events:
             if r.status is Status.FINISHED:
