@@ -569,6 +569,18 @@ RATIO_ARMS = {
     "bq4_bn64_carry": (
         {}, {"block_q": 4, "block_n": 64, "num_warps": 4, "num_stages": 3, "page_lookup": "carry"},
         "as bq4_bn64, next tile's page ids loaded one iteration ahead"),
+    # Clean single-knob variants of the lone-sequence 16-row tile (the defaults otherwise), for
+    # the 16k / 32k cells where it still cost 1.32 / 1.34x decode at 9cab8e4 while the 32-row
+    # tile cost 1.13 / 1.14x there but 1.47 / 1.41x at 2k / 8k.
+    "s1_waves2": (
+        {}, {"block_q": 4, "split_target_waves": 2.0},
+        "16-row q tiles, KV split for 2 waves of programs instead of 4 (as many programs as decode)"),
+    "s1_carry": (
+        {}, {"block_q": 4, "page_lookup": "carry"},
+        "16-row q tiles with the next 128-token tile's page ids loaded one iteration ahead"),
+    "s1_tok2048": (
+        {}, {"block_q": 4, "min_split_tokens": 2048},
+        "16-row q tiles, splits of >= 2048 KV tokens (a quarter of the programs at 32k)"),
     "waves2": (
         {}, {"split_target_waves": 2.0, "num_warps": 8, "num_stages": 2, "page_lookup": "inline", "block_n": 128},
         "verify splits the KV range for 2 waves of programs instead of 4 (longer programs)"),
