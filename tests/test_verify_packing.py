@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.forward_batch import build_forward_batch
-from dspark_jax.speculative.packing import front_pack, topk_verify_lens, unpack_rows
+from dspark_jax.speculative.packing import front_pack, packed_rows, topk_verify_lens, unpack_rows
 from dspark_jax.speculative.scheduler import ConfidenceScheduler
 
 G = 5
@@ -33,6 +33,26 @@ def test_padding_requests_take_no_budget():
     got = np.asarray(topk_verify_lens(surv, jnp.int32(3), jnp.array([True, False, True, False])))
     # ties: position 0 of live rows 0 and 2, then position 1 of row 0
     np.testing.assert_array_equal(got, [3, 0, 2, 0])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_packed_rows_match_a_row_by_row_walk(seed):
+    """Owner, offset and validity of every tier row against walking the windows one by one
+    (zero-length windows anywhere, a tier larger than the rows in use)."""
+    rng = np.random.default_rng(seed)
+    S = int(rng.integers(1, 10))
+    lens = rng.integers(0, G + 2, S).astype(np.int32)
+    T = int(lens.sum()) + int(rng.integers(0, 9))
+    owner, offset = [], []
+    for r, n in enumerate(lens):
+        owner += [r] * int(n)
+        offset += list(range(int(n)))
+    req, within, valid = (np.asarray(a) for a in packed_rows(jnp.asarray(lens), T))
+    real = len(owner)
+    np.testing.assert_array_equal(req[:real], owner)
+    np.testing.assert_array_equal(within[:real], offset)
+    np.testing.assert_array_equal(valid, np.arange(T) < real)
+    assert (req[real:] == S - 1).all()  # padding rows clamp to the last request, never past it
 
 
 def test_front_pack_equals_host_packing_and_unpack_restores_rows():

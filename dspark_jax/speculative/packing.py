@@ -37,11 +37,16 @@ def topk_verify_lens(survival: jax.Array, budget: jax.Array, live: jax.Array) ->
 
 
 def packed_rows(verify_lens: jax.Array, num_tokens: int):
-    """For each row n of a tier buffer: (owning request, offset in its window, real row?)."""
+    """For each row n of a tier buffer: (owning request, offset in its window, real row?).
+
+    The owner is found by comparing every row with every window end at once (a [T, S] compare
+    and a sum, one fused kernel): jnp.searchsorted's default binary search is a while loop that
+    launches its body's kernels once per halving step, and the round executable is bound by
+    kernel launches on the GPU (benchmarks/results/dispatch_bs64_gpu_*)."""
     S = verify_lens.shape[0]
     incl = jnp.cumsum(verify_lens).astype(jnp.int32)
     n = jnp.arange(num_tokens, dtype=jnp.int32)
-    req = jnp.minimum(jnp.searchsorted(incl, n, side="right"), S - 1).astype(jnp.int32)
+    req = jnp.minimum(jnp.searchsorted(incl, n, side="right", method="compare_all"), S - 1).astype(jnp.int32)
     within = n - (incl[req] - verify_lens[req])
     return req, within, n < incl[-1]
 
