@@ -42,8 +42,10 @@ for stage in $STAGES; do
   case $stage in
     sts)
       rm -rf "$OUT/sts-shards"
-      timeout 150 "$PYTHON" -m training.evaluate_speculative --corpus "$CORPUS" --split validation \
-          --target "$TARGET" --drafter "$DRAFTER" \
+      # Lazy compile and 240 s: at 9cab8e4 the eager start-up compile of every tier up to batch 256
+      # outlasted 150 s on a fresh machine and the stage recorded nothing.
+      timeout "${STS_TIME:-240}" "$PYTHON" -m training.evaluate_speculative --corpus "$CORPUS" --split validation \
+          --target "$TARGET" --drafter "$DRAFTER" --lazy-compile \
           --per-workload "$STS_PROMPTS" --max-new-tokens "$MAX_NEW" --temperatures 0 --max-running 256 \
           --record-sts-dir "$OUT/sts-shards" --out "$OUT/sts_record_tau.json" > "$OUT/sts_record.log" 2>&1
       "$PYTHON" -m training.calibrate_sts "$OUT/sts-shards" --block-size 7 --out "$OUT/sts.json" \
@@ -54,8 +56,9 @@ for stage in $STAGES; do
     tau)
       for algo in dspark mtp; do
         extra=(--target "$TARGET"); [ "$algo" = dspark ] && extra+=(--drafter "$DRAFTER" --sts-path "$DRAFTER/sts.json")
-        timeout 120 "$PYTHON" -m training.evaluate_speculative --corpus "$CORPUS" --split heldout --algorithm "$algo" \
-            --per-workload "$TAU_PROMPTS" --max-new-tokens "$MAX_NEW" --temperatures 0,1 --max-running 256 \
+        timeout "${TAU_TIME:-170}" "$PYTHON" -m training.evaluate_speculative --corpus "$CORPUS" --split heldout \
+            --algorithm "$algo" --per-workload "$TAU_PROMPTS" --max-new-tokens "$MAX_NEW" --temperatures 0,1 \
+            --max-running 256 --lazy-compile \
             "${extra[@]}" --out "$OUT/tau_heldout_$algo.json" > "$OUT/tau_$algo.log" 2>&1 || echo "tau $algo failed"
       done
       ;;

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -32,7 +33,8 @@ def _engine(args):
     from dspark_jax.engine import EngineConfig
 
     target = args.target or default_model_path()
-    ec = EngineConfig(max_running_requests=args.max_running, max_model_len=args.max_prompt_tokens + args.max_new_tokens)
+    ec = EngineConfig(max_running_requests=args.max_running, max_model_len=args.max_prompt_tokens + args.max_new_tokens,
+                      precompile=not args.lazy_compile)
     if args.algorithm == "mtp":
         from dspark_jax.engine.mtp_engine import MTPEngine
 
@@ -72,6 +74,8 @@ def evaluate(engine, prompts: list[dict], temperatures: list[float], max_new_tok
                              "seconds": time.perf_counter() - t0}
             if metrics is not None:
                 per[workload]["confidence"] = metrics.summary()
+            print(f"T={temp:g} {workload}: tau {per[workload]['tau']:.3f} over {per[workload]['rounds']} rounds, "
+                  f"{per[workload]['seconds']:.1f} s", file=sys.stderr, flush=True)
         report[f"T={temp:g}"] = per
     return report
 
@@ -91,6 +95,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
     ap.add_argument("--max-running", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lazy-compile", action="store_true",
+                    help="compile each step shape on first use instead of every tier at start-up (at --max-running "
+                         "256 the start-up compile alone outlasted a 150 s budget on a fresh H200 machine)")
     ap.add_argument("--out", type=Path, help="write the report here (JSON)")
     args = ap.parse_args(argv)
     from training.drafter.selfdistill import SelfDistillConfig, select_prompts
