@@ -11,8 +11,12 @@ where -- rerun with --dtype float32 --matmul-precision highest to tell numerics 
   compact+table   DSpark compact with the profiled additive cost table (--sps-table-path), its level
                   corrected online from measured rounds (SpeculativeConfig.step_time_correction)
 
-For each (workload, batch size bs) the first bs held-out prompts of the workload run as one batch
-(bs = 1: --single-prompts prompts one after another).  Every arm's engine lives for the whole run;
+For each (workload, batch size bs) the first waves x bs held-out prompts of the workload run
+through the engine with at most bs of them running at once (bs = 1: --single-prompts prompts one
+after another).  With --waves 1 the batch starts full and drains as requests finish; with more
+waves finished requests are replaced from the queue, so most rounds run at the full batch size
+(as in serving) and a pass holds waves times the work, which a slow stretch of the host then
+distorts less.  Every arm's engine lives for the whole run;
 a cell warms each arm up once on its prompts, then times --repeats passes with the arms
 interleaved (the order rotating each pass), so drifts of clock or host load hit every arm alike,
 and reports the median pass.  Reported: wall tok/s (generated tokens / wall time, prefill
@@ -57,8 +61,10 @@ def build_engine(arm: str, target, ec, table):
     return SpeculativeEngine.from_pretrained(target, default_drafter_path(), ec, spec)
 
 
-def cell_groups(prompts: list[str], bs: int, single: int) -> list[list[str]]:
-    return [[p] for p in prompts[:single]] if bs == 1 else [prompts[:bs]]
+def cell_groups(prompts: list[str], bs: int, single: int, waves: int = 1) -> list[list[str]]:
+    """The generate calls of a cell: single prompts one by one at bs = 1, else one call over the
+    first waves x bs prompts (fewer if the workload has fewer), run at most bs at a time."""
+    return [[p] for p in prompts[:single]] if bs == 1 else [prompts[: waves * bs]]
 
 
 def timed_pass(engine, groups, max_new: int) -> tuple[float, list]:
@@ -140,7 +146,8 @@ def report(args, env, rows: list[dict]) -> None:
     md = [f"# Speculative decoding, embedded default pair ({env['device']}, jax {env['jax']}, {env['date']}, "
           f"commit {env['commit']})\n",
           f"Temperature 0, {args.max_new_tokens} new tokens per request, {args.split} prompts; batch 1 = "
-          f"{args.single_prompts} prompts one after another. tok/s = generated tokens / wall time (prefill "
+          f"{args.single_prompts} prompts one after another; batch b > 1 = {args.waves} x b prompts, at most b "
+          "running at once (requests: how many the workload had). tok/s = generated tokens / wall time (prefill "
           f"included), median of {args.repeats} passes with the arms interleaved; x none = ratio to the plain "
           "engine in this run; accept = tokens committed per round "
           "(bonus included); window = verified tokens per request per round (anchor included); step pred/meas = "
@@ -149,8 +156,8 @@ def report(args, env, rows: list[dict]) -> None:
           "the plain engine's, else how many requests differ and the median token where they first do.\n",
           f"Engines in {args.dtype or 'the checkpoint dtype'}, matmul precision {args.matmul_precision or 'default'}, "
           f"execution {args.execution}.\n",
-          "| workload | batch | arm | tok/s | x none | accept | window | step pred (table) / meas ms | same tokens |",
-          "|---|---:|---|---:|---:|---:|---:|---:|---|"]
+          "| workload | batch | requests | arm | tok/s | x none | accept | window | step pred (table) / meas ms | same tokens |",
+          "|---|---:|---:|---|---:|---:|---:|---:|---:|---|"]
     for r in sorted(rows, key=lambda r: (r["workload"], r["batch"], ARMS.index(r["arm"]))):
         step = (f"{r['step_predicted_ms']:.3f} ({r['step_table_ms']:.3f}) / {r['step_measured_ms']:.3f}"
                 if "step_predicted_ms" in r else "")
@@ -158,7 +165,7 @@ def report(args, env, rows: list[dict]) -> None:
         if same is False:
             same = (f"no: {r['diverged_requests']}/{r['requests']} differ, from token "
                     f"{int(np.median(r['first_divergence_tokens']))}")
-        md.append(f"| {r['workload']} | {r['batch']} | {r['arm']} | {r['tok_s']:.0f} | "
+        md.append(f"| {r['workload']} | {r['batch']} | {r['requests']} | {r['arm']} | {r['tok_s']:.0f} | "
                   f"{r.get('speedup_vs_none', float('nan')):.2f} | {r.get('accept_length', 1.0):.2f} | "
                   f"{r.get('window', float('nan')):.2f} | {step} | {same} |")
     for p in write_results(f"speculative_default_{env['platform']}{args.tag}", payload, "\n".join(md) + "\n",
@@ -177,6 +184,8 @@ def main(argv=None):
     ap.add_argument("--max-prompt-tokens", type=int, default=384)
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--repeats", type=int, default=3, help="timed passes per cell (arms interleaved)")
+    ap.add_argument("--waves", type=int, default=1, help="prompts per cell = waves x batch size, at most batch size "
+                    "running at once (finished requests replaced from the queue)")
     ap.add_argument("--sps-table-path", type=Path, help="profiled cost table for compact+table")
     ap.add_argument("--dtype", default=None, help="engine compute dtype (default: the checkpoint's)")
     ap.add_argument("--matmul-precision", default=None, help="jax_default_matmul_precision, e.g. highest: "
@@ -208,7 +217,8 @@ def main(argv=None):
     target = default_model_path()
     tok = Tokenizer.from_folder(target)
     need = max(max(args.batch_sizes), args.single_prompts)
-    cfg = SelfDistillConfig(split=args.split, per_workload=4 * need, max_prompt_tokens=args.max_prompt_tokens)
+    cfg = SelfDistillConfig(split=args.split, per_workload=max(4 * need, args.waves * max(args.batch_sizes)),
+                            max_prompt_tokens=args.max_prompt_tokens)
     by_workload: dict[str, list[str]] = {}
     for p in select_prompts(args.corpus, cfg):
         if len(tok.encode(p["prompt"])) <= args.max_prompt_tokens:
@@ -226,7 +236,10 @@ def main(argv=None):
     rows = []
     for workload, prompts in sorted(by_workload.items()):
         for bs in args.batch_sizes:
-            cells = run_cell(engines, cell_groups(prompts, bs, args.single_prompts), args.max_new_tokens, args.repeats)
+            for engine in engines.values():
+                engine.set_max_running(bs)
+            groups = cell_groups(prompts, bs, args.single_prompts, args.waves)
+            cells = run_cell(engines, groups, args.max_new_tokens, args.repeats)
             for arm, cell in cells.items():
                 rows.append({"arm": arm, "workload": workload, "batch": bs, "setup_s": setup[arm], **cell})
                 print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()

@@ -8,7 +8,7 @@ import collections
 import numpy as np
 import pytest
 
-from benchmarks.bench_speculative import run_cell
+from benchmarks.bench_speculative import cell_groups, run_cell
 
 
 class _Result:
@@ -47,3 +47,11 @@ def test_step_time_accounting_and_per_round_record():
     assert cell["step_median_rel_error_overlapped"] == pytest.approx(0.125)
     assert cell["step_table_median_rel_error"] == pytest.approx(np.median([0.5, 0.5, 0.75]))
     assert cell["tokens"] == 3 and cell["accept_length"] == pytest.approx(1.5)
+
+
+def test_cell_groups_single_prompts_at_batch_one_and_waves_above():
+    prompts = [f"p{i}" for i in range(10)]
+    assert cell_groups(prompts, 1, 3, waves=4) == [["p0"], ["p1"], ["p2"]]
+    assert cell_groups(prompts, 2, 3) == [["p0", "p1"]]
+    assert cell_groups(prompts, 3, 3, waves=2) == [prompts[:6]]
+    assert cell_groups(prompts, 4, 3, waves=5) == [prompts]  # the workload has fewer: all of them

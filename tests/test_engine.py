@@ -31,6 +31,32 @@ def test_continuous_batching_equals_isolated_runs(tiny_engine):
     assert tiny_engine.pool.num_free_pages == tiny_engine.pool.num_usable_pages
 
 
+def test_max_running_limit_holds_the_batch_and_changes_no_token(tiny_engine):
+    """set_max_running(2) on an engine built for 4: never more than 2 running (and 2 at some
+    point), the same greedy tokens as the full engine; out-of-range limits are refused."""
+    prompts = _prompts(tiny_engine, 5, seed=7)
+    want = [r.token_ids for r in tiny_engine.generate(prompts, GREEDY)]
+    tiny_engine.set_max_running(2)
+    try:
+        ids = [tiny_engine.add_request(p, GREEDY) for p in prompts]
+        done, most = {}, 0
+        while tiny_engine.has_unfinished():
+            tiny_engine.scheduler.admit()  # what step() does first: the batch it is about to run
+            most = max(most, len(tiny_engine.scheduler.running))
+            for req, _ in tiny_engine.step():
+                if req.finish_reason is not None:
+                    done[req.id] = list(req.output_ids)
+        assert most == 2
+        assert [done[i] for i in ids] == want
+        with pytest.raises(ValueError, match="max running"):
+            tiny_engine.set_max_running(0)
+        with pytest.raises(ValueError, match="max running"):
+            tiny_engine.set_max_running(5)
+    finally:
+        tiny_engine.set_max_running(4)
+    tiny_engine.pool.check_invariants()
+
+
 def test_small_kv_pool_makes_requests_wait_not_corrupt(hf_model_dir, tiny_engine):
     # Room for about one request at a time: the rest must queue and still come out right.
     small = Engine.from_pretrained(hf_model_dir, EngineConfig(max_running_requests=4, max_prefill_tokens=64,

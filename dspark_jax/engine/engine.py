@@ -201,6 +201,16 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def set_max_running(self, n: int) -> None:
+        """Admit at most ``n`` running requests from now on (1..max_running_requests); requests
+        already running are left alone.  Every step shape stays compiled for the configured
+        maximum, so this needs no recompilation: a benchmark holds a steady batch of ``n`` with
+        one engine built for its largest batch, and an operator can shed load at run time."""
+        n = int(n)
+        if not 1 <= n <= self.ec.max_running_requests:
+            raise ValueError(f"max running must be in [1, {self.ec.max_running_requests}], got {n}")
+        self.scheduler.max_running = n
+
     # -- stepping -------------------------------------------------------------------------
     def step(self) -> list[tuple[Request, list[int]]]:
         """Run one scheduling step; returns (request, newly committed ids) for requests that moved.
