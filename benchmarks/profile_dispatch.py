@@ -16,6 +16,8 @@ returning as soon as the work is enqueued, in two forms:
 
 Each form: --calls calls, each followed by a wait for the device (so queues never fill), the
 dispatch time alone (call to return) reported as the median; JSON + markdown via write_results.
+Beside them, the kernel launches the round issues per call, counted from the executable's
+optimized HLO (benchmarks/hlo_launches.py), and the dispatch time per launch.
 
     python benchmarks/profile_dispatch.py --batch-size 64 --out-dir $OUT
 """
@@ -34,6 +36,7 @@ import jax
 import numpy as np
 
 from benchmarks.common import environment, write_results
+from benchmarks.hlo_launches import count_launches
 
 
 def capture_round(batch_size: int):
@@ -113,17 +116,24 @@ def main(argv=None):
     }
     results = {k: v[0] for k, v in timed.items()}
     ready = {k: v[1] for k, v in timed.items()}
+    launches = count_launches(fn.as_text())
     env = environment()
     payload = {"env": env, "batch_size": args.batch_size, "calls": args.calls, "host_input_arrays": n_host,
                "dispatch_seconds": results,
-               "ready_seconds": ready, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+               "ready_seconds": ready, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+               "hlo_launches": launches.total, "hlo_launches_by_opcode": dict(launches.by_opcode),
+               "hlo_unknown_trip_whiles": launches.unknown_trip_whiles}
     md = [f"# Dispatch of one speculative round, batch {args.batch_size} ({env['device']}, jax {env['jax']}, "
           f"{env['date']}, commit {env['commit']})\n",
           f"Median host time of the call (to its return, the work enqueued) over {args.calls} calls; "
           f"the round's inputs hold {n_host} host arrays.  'ready': call to outputs ready (the round alone, "
           f"device time plus dispatch).  XLA_FLAGS: `{os.environ.get('XLA_FLAGS', '')}`\n",
-          "| form | dispatch ms | ready ms |", "|---|---:|---:|"]
-    md += [f"| {k} | {v * 1e3:.3f} | {ready[k] * 1e3:.3f} |" for k, v in results.items()]
+          f"Kernel launches per round, counted from the optimized HLO (benchmarks/hlo_launches.py): "
+          f"{launches.total} ({', '.join(f'{n} {op}' for op, n in launches.by_opcode.most_common())}"
+          f"{f'; {launches.unknown_trip_whiles} while loops of unknown trip count counted once' if launches.unknown_trip_whiles else ''}).\n",
+          "| form | dispatch ms | ready ms | dispatch us per launch |", "|---|---:|---:|---:|"]
+    md += [f"| {k} | {v * 1e3:.3f} | {ready[k] * 1e3:.3f} | {v * 1e6 / max(launches.total, 1):.2f} |"
+           for k, v in results.items()]
     for p in write_results(f"dispatch_bs{args.batch_size}_{env['platform']}{args.tag}", payload, "\n".join(md) + "\n",
                            args.out_dir):
         print("wrote", p)
