@@ -35,6 +35,31 @@ def test_greedy_exact_match_and_bonus():
     assert (int(out.num_accepted[0]), int(out.bonus[0]), int(out.block_accept[0])) == (1, am[1], 2)
 
 
+def test_greedy_rows_agree_whether_or_not_the_batch_samples():
+    """A greedy row gets the same verdict, bonus and ceiling whether or not another row of the
+    batch samples, and both match a row-by-row numpy walk (exact match, bonus = argmax of the
+    row after the last accepted draft)."""
+    rng = np.random.default_rng(3)
+    S = 6
+    t = rng.standard_normal((S, G + 1, V)).astype(np.float32)
+    am = t.argmax(-1)
+    drafts = np.where(rng.random((S, G)) < 0.7, am[:, :G], (am[:, :G] + 1) % V).astype(np.int32)
+    lens = rng.integers(1, G + 2, S).astype(np.int32)
+    args = lambda temp: (jnp.asarray(t), jnp.asarray(drafts), jnp.zeros((S, G, V)), jnp.asarray(lens),
+                         jnp.asarray(temp, jnp.float32), jnp.zeros(S, jnp.int32), jnp.ones(S, jnp.float32),
+                         jax.random.split(jax.random.PRNGKey(0), S))
+    greedy = verify(*args(np.zeros(S)))
+    mixed = verify(*args(np.r_[np.zeros(S - 1), 1.0]))
+    for r in range(S):
+        a = 0
+        while a < lens[r] - 1 and drafts[r, a] == am[r, a]:
+            a += 1
+        want = (a, am[r, a], a)
+        assert (int(greedy.num_accepted[r]), int(greedy.bonus[r]), int(greedy.block_accept[r])) == want
+        if r < S - 1:
+            assert (int(mixed.num_accepted[r]), int(mixed.bonus[r]), int(mixed.block_accept[r])) == want
+
+
 def _first_token_counts(n, t, dl, verify_len, temperature, top_k=0, top_p=1.0, seed=0):
     """Sample drafts from q, verify, and histogram the first committed token."""
     q = jax.nn.softmax(jnp.asarray(dl, jnp.float32) / temperature, -1)
