@@ -55,7 +55,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import benchmarks.common as common  # noqa: E402
-from benchmarks.common import copy_bandwidth, count_kernels, environment, time_chain  # noqa: E402
+from benchmarks.common import copy_bandwidth, environment, time_chain  # noqa: E402
+from benchmarks.hlo_launches import count_launches  # noqa: E402
 from pallas_kernels.fused_add_rms_norm import (  # noqa: E402
     fused_add_rms_norm,
     fused_add_rms_norm_reference,
@@ -195,9 +196,9 @@ def time_per_call(fn, inputs, n, execs, reps) -> float:
 
 
 def xla_kernels_per_call(x, r, w) -> int | None:
-    """Kernels XLA launches for one reference call (see ``count_kernels``)."""
+    """Kernels XLA launches for one reference call (benchmarks/hlo_launches.py)."""
     try:
-        return count_kernels(jax.jit(xla_fn).lower(x, r, w).compile().as_text())
+        return count_launches(jax.jit(xla_fn).lower(x, r, w).compile().as_text()).total
     except Exception:  # pragma: no cover - backend without HLO text
         return None
 

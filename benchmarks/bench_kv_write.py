@@ -38,9 +38,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import (copy_bandwidth, count_kernels, device_us_per_call, environment,  # noqa: E402
+from benchmarks.common import (copy_bandwidth, device_us_per_call, environment,  # noqa: E402
                                exit_if_check_failed, write_results)
 from dspark_jax.layers.rotary import rope_cos_sin  # noqa: E402
+from benchmarks.hlo_launches import count_launches  # noqa: E402
 from pallas_kernels.kv_write import write_kv_from_qkv, write_kv_from_qkv_reference  # noqa: E402
 
 EPS = 1e-6
@@ -164,7 +165,7 @@ def main(argv=None):
         hlo = jax.jit(reference_call(s["H"])).lower(*inputs, layer).compile().as_text()
         # read q, k, v and the rope rows, write q, k, v, read both norm weights
         nbytes = T * ((2 * s["H"] + 4 * s["Hk"]) * s["D"] * 2 + 2 * s["D"] * 4) + 2 * s["D"] * 2
-        row = dict(T=T, kernel_us=kern, xla_us=xla, xla_over_kernel=xla / kern, xla_kernels_per_call=count_kernels(hlo),
+        row = dict(T=T, kernel_us=kern, xla_us=xla, xla_over_kernel=xla / kern, xla_kernels_per_call=count_launches(hlo).total,
                    bytes=nbytes, roofline_us=nbytes / bw * 1e6)
         rows.append(row)
         log(row)

@@ -6,7 +6,6 @@ import datetime as dt
 import glob
 import json
 import os
-import re
 import platform
 import subprocess
 import sys
@@ -218,26 +217,3 @@ def add_backend_args(ap) -> None:
 def backend_kwargs(args) -> dict:
     """The EngineConfig keyword arguments of the flags ``add_backend_args`` added."""
     return {name: getattr(args, name) for name, _ in BACKEND_OPTIONS}
-
-
-def count_kernels(hlo_text: str) -> int:
-    """Fusion and custom-call instructions outside fused computations of an optimised HLO module
-    (each is one kernel launch on the GPU; instructions nested inside a fusion are not)."""
-    comps, cur = {}, None
-    for line in hlo_text.splitlines():
-        m = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
-        if m and not line.startswith(" "):
-            cur = m.group(1)
-            comps[cur] = []
-        elif line.startswith("}"):
-            cur = None
-        elif cur is not None:
-            comps[cur].append(line)
-    inst = re.compile(r"=.*?\s(fusion|custom-call)\(")
-    fused = set()
-    for body in comps.values():
-        for line in body:
-            if re.search(r"\sfusion\(", line):
-                fused.update(re.findall(r"calls=%?([\w.\-]+)", line))
-    return sum(1 for name, body in comps.items() if name not in fused
-               for line in body if inst.search(line))
