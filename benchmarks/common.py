@@ -212,8 +212,12 @@ def add_backend_args(ap) -> None:
     defaults = EngineConfig()
     for name, help_text in BACKEND_OPTIONS:
         ap.add_argument("--" + name.replace("_", "-"), default=getattr(defaults, name), help=help_text)
+    ap.add_argument("--gemv-projections", default=",".join(defaults.gemv_projections),
+                    help="the projections --gemv-backend applies to, comma-separated (of qkv,o,gate_up,down); "
+                         "the others run under XLA")
 
 
 def backend_kwargs(args) -> dict:
     """The EngineConfig keyword arguments of the flags ``add_backend_args`` added."""
-    return {name: getattr(args, name) for name, _ in BACKEND_OPTIONS}
+    return {**{name: getattr(args, name) for name, _ in BACKEND_OPTIONS},
+            "gemv_projections": tuple(p for p in args.gemv_projections.split(",") if p)}

@@ -180,6 +180,8 @@ def test_fused_norm_and_kv_write_backends_give_identical_tokens(hf_model_dir, ti
     for bad in (dict(norm_backend="triton"), dict(kv_write_backend="cuda"), dict(gemv_backend="cublas")):
         with pytest.raises(ValueError, match="backend"):
             Engine.from_pretrained(hf_model_dir, EngineConfig(max_model_len=64, precompile=False, **bad))
+    with pytest.raises(ValueError, match="gemv_projections"):
+        Engine.from_pretrained(hf_model_dir, EngineConfig(max_model_len=64, precompile=False, gemv_projections=("ffn",)))
 
 
 def test_overlapped_decode_equals_synchronous_decode(hf_model_dir, tiny_engine):
@@ -236,3 +238,20 @@ def test_abort_forgets_running_and_waiting_requests(hf_model_dir):
         eng.step()
     eng.pool.check_invariants()
     assert eng.pool.num_free_pages == eng.pool.num_usable_pages
+
+
+def test_benchmark_backend_flags_build_the_engine_config():
+    """The benchmarks' --*-backend / --gemv-projections flags map onto EngineConfig fields (the
+    defaults are the engine's own, a projection list becomes a tuple)."""
+    import argparse
+
+    from benchmarks.common import add_backend_args, backend_kwargs
+
+    ap = argparse.ArgumentParser()
+    add_backend_args(ap)
+    kw = backend_kwargs(ap.parse_args([]))
+    defaults = EngineConfig()
+    assert kw == {k: getattr(defaults, k) for k in kw}
+    kw = backend_kwargs(ap.parse_args(["--gemv-backend", "pallas", "--gemv-projections", "qkv,gate_up"]))
+    assert kw["gemv_backend"] == "pallas" and kw["gemv_projections"] == ("qkv", "gate_up")
+    EngineConfig(**kw)  # every key is a field

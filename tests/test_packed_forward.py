@@ -212,7 +212,18 @@ def test_gemv_kernel_gives_the_reference_forward():
     lay = model.layers  # the weights passed: each layer's qkv, o, gate/up and down stack (SwiGLU left to XLA)
     stacks = [lay.self_attn.qkv_proj, lay.self_attn.o_proj, lay.mlp.gate_up_proj, lay.mlp.down_proj]
     assert sorted(calls) == sorted([p.kernel.shape for p in stacks] * cfg.num_hidden_layers)
-    assert model._kernel_stacks(12, "reference", "reference", "pallas").down is not None
-    assert model._kernel_stacks(MAX_M + 1, "reference", "reference", "pallas").down is None  # XLA above MAX_M
+    # A subset of the projections (gemv_projections): only those go through the kernel, same output.
+    calls.clear()
+    with mock.patch.object(qwen3, "gemv_op", lambda *a, **kw: calls.append(a[-1].shape) or gemv_op(*a, **kw)):
+        got = model(allocate_kv_cache(cfg, 6, PAGE, jnp.float32), fb, tap_layers=(0, 1), gemv_backend="pallas",
+                    gemv_projections=("qkv", "gate_up"), scan_layers=False)
+    assert sorted(calls) == sorted([stacks[0].kernel.shape, stacks[2].kernel.shape] * cfg.num_hidden_layers)
+    np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), rtol=1e-4, atol=1e-5)
+    every = qwen3.GemvBackends.of("pallas")
+    assert model._kernel_stacks(12, "reference", "reference", every).down is not None
+    assert model._kernel_stacks(MAX_M + 1, "reference", "reference", every).down is None  # XLA above MAX_M
+    assert model._kernel_stacks(12, "reference", "reference", qwen3.GemvBackends.of("pallas", ("o",))).qkv is None
     with pytest.raises(ValueError, match="gemv_backend"):
         model(allocate_kv_cache(cfg, 6, PAGE, jnp.float32), fb, gemv_backend="cublas")
+    with pytest.raises(ValueError, match="gemv_projections"):
+        model(allocate_kv_cache(cfg, 6, PAGE, jnp.float32), fb, gemv_backend="pallas", gemv_projections=("qkv", "ffn"))

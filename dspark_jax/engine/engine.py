@@ -28,7 +28,7 @@ from dspark_jax.errors import InvalidRequestError
 from dspark_jax.forward_batch import build_forward_batch
 from dspark_jax.kv_cache import allocate_kv_cache, kv_bytes_per_token
 from dspark_jax.layers.attention import resolve_backend
-from dspark_jax.models.qwen3 import Qwen3ForCausalLM
+from dspark_jax.models.qwen3 import GEMV_PROJECTIONS, GemvBackends, Qwen3ForCausalLM
 from dspark_jax.page_pool import PagePool
 from dspark_jax.sampling import SamplingParams, sampling_arrays
 from dspark_jax.tokenizer import Tokenizer
@@ -63,6 +63,9 @@ class EngineConfig:
     # 4.61 with XLA's GEMMs in the same run, benchmarks/results/decode_qwen3-8b_gpu_bs1-16_*bb12896.md,
     # hence off) | auto (pallas on GPU)
     gemv_backend: str = "reference"
+    # which projections gemv_backend applies to (models/qwen3.py GEMV_PROJECTIONS); the others run
+    # under XLA.  Default all four; e.g. ("qkv", "gate_up") keeps o and down on XLA's GEMMs
+    gemv_projections: tuple[str, ...] = GEMV_PROJECTIONS
     # unroll every loop of the decode and speculative steps (layers, drafting steps); default: on
     # GPU only, where an XLA while loop is driven from the host iteration by iteration.  Batch-1
     # speculative rounds on the H200: 4-23% more tok/s, but ~4x the compile time at start-up
@@ -95,6 +98,7 @@ class Engine:
         cfg = self.config
         self.gemv_backend = resolve_gemv_backend(ec.gemv_backend, 1, cfg.num_attention_heads * cfg.head_dim,
                                                  cfg.hidden_size)
+        GemvBackends.of(ec.gemv_backend, tuple(ec.gemv_projections))  # unknown projection names fail here
         enable_compilation_cache(ec.compile_cache_dir)
         unroll = ec.unroll_decode if ec.unroll_decode is not None else jax.default_backend() == "gpu"
         self.unroll_decode = bool(unroll)
@@ -102,6 +106,7 @@ class Engine:
             model, cache, pages_per_seq=self.pages_per_seq, backend=self.backend,
             unroll_decode=unroll, lazy=not ec.precompile, norm_backend=self.norm_backend,
             kv_write_backend=self.kv_write_backend, gemv_backend=ec.gemv_backend,
+            gemv_projections=tuple(ec.gemv_projections),
         )
         self.prefill_seqs = min(ec.max_prefill_seqs, ec.max_running_requests)
         self.decode_buckets = batch_ladder(ec.max_running_requests)
@@ -235,7 +240,8 @@ class Engine:
         unroll = self.unroll_decode and not prefill
         return dict(backend=self.backend, unroll=unroll,
                     target_options=(("scan_layers", not unroll), ("norm_backend", self.norm_backend),
-                                    ("kv_write_backend", self.kv_write_backend), ("gemv_backend", self.ec.gemv_backend)))
+                                    ("kv_write_backend", self.kv_write_backend), ("gemv_backend", self.ec.gemv_backend),
+                                    ("gemv_projections", tuple(self.ec.gemv_projections))))
 
     def _release_finished(self) -> None:
         """Give finished requests' slots and KV pages back and forget them."""

@@ -21,7 +21,7 @@ from flax import nnx
 from dspark_jax.engine.flat_state import flatten_states, with_flat_states
 from dspark_jax.forward_batch import ForwardBatch, shape_struct
 from dspark_jax.kv_cache import KVCache
-from dspark_jax.models.qwen3 import Qwen3ForCausalLM
+from dspark_jax.models.qwen3 import GEMV_PROJECTIONS, Qwen3ForCausalLM
 from dspark_jax.sampling import sample
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,8 @@ def _sampling_struct(rows: int):
 class ModelRunner:
     def __init__(self, model: Qwen3ForCausalLM, cache: KVCache, *, pages_per_seq: int, backend: str,
                  unroll_decode: bool = False, lazy: bool = False, norm_backend: str = "reference",
-                 kv_write_backend: str = "reference", gemv_backend: str = "reference"):
+                 kv_write_backend: str = "reference", gemv_backend: str = "reference",
+                 gemv_projections: tuple[str, ...] = GEMV_PROJECTIONS):
         """unroll_decode: compile decode buckets (tokens == seqs) with the layer loop unrolled.
 
         Under ``lax.scan`` XLA:GPU materialises each layer's weight slice before its GEMM (a
@@ -78,7 +79,8 @@ class ModelRunner:
         lazy: compile a bucket on first use instead of failing (benchmarks, quick scripts).
         norm_backend: how residual add + RMSNorm run (models/qwen3.py ``add_rms_norm``);
         kv_write_backend: how k is normed and rotated and K/V written (``Qwen3Attention``);
-        gemv_backend: how the projections run (models/qwen3.py ``project``)."""
+        gemv_backend: how the projections named in gemv_projections run (models/qwen3.py
+        ``project``)."""
         self.graphdef, self.state = nnx.split(model)
         (self.state_leaves,), state_defs = flatten_states(self.state)  # dispatched as a flat list
         self.config = model.config
@@ -94,7 +96,8 @@ class ModelRunner:
             def step(state, cache, batch: ForwardBatch, sampling):
                 model = nnx.merge(graphdef, state)
                 out = model(cache, batch, backend=backend, scan_layers=scan_layers, norm_backend=norm_backend,
-                            kv_write_backend=kv_write_backend, gemv_backend=gemv_backend)
+                            kv_write_backend=kv_write_backend, gemv_backend=gemv_backend,
+                            gemv_projections=gemv_projections)
                 return sample(out.logits, *sampling), out.cache
 
             # Positional donation: the cache buffers are reused in place, never copied.

@@ -32,6 +32,27 @@ from pallas_kernels.kv_write import resolve_backend as resolve_kv_write_backend
 from pallas_kernels.kv_write import write_kv_from_qkv_op
 
 NORM_BACKENDS = KV_WRITE_BACKENDS = GEMV_BACKENDS = BACKENDS
+GEMV_PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a layer's projections, as gemv_projections names them
+
+
+class GemvBackends(NamedTuple):
+    """How each of a layer's four projections runs (``project``): "pallas" | "reference" | "auto".
+    Per projection so that a decode step can take the GEMV kernel where it wins and XLA's GEMM
+    where it does not (the kernel alone beat XLA at qkv and gate/up on the H200, yet the 8B step
+    with it on all four was slower: benchmarks/results/decode_qwen3-8b_gpu_bs1-16_*bb12896.md)."""
+
+    qkv: str = "reference"
+    o: str = "reference"
+    gate_up: str = "reference"
+    down: str = "reference"
+
+    @classmethod
+    def of(cls, backend: str, projections=GEMV_PROJECTIONS) -> "GemvBackends":
+        """``backend`` for the named projections, XLA ("reference") for the others."""
+        unknown = set(projections) - set(GEMV_PROJECTIONS)
+        if unknown:
+            raise ValueError(f"gemv_projections must name projections of {GEMV_PROJECTIONS}, got {sorted(unknown)}")
+        return cls(*(backend if name in projections else "reference" for name in GEMV_PROJECTIONS))
 
 
 class LayerStacks(NamedTuple):
@@ -132,15 +153,15 @@ class Qwen3Attention(nnx.Module):
         return qk[..., :H, :], qk[..., H:, :], qkv[..., (H + Hk) * D :].reshape(*lead, Hk, D)
 
     def __call__(self, x, cos, sin, cache: KVCache, batch: ForwardBatch, layer, *, backend: str,
-                 kv_write_backend: str = "reference", gemv_backend: str = "reference",
+                 kv_write_backend: str = "reference", gemv: GemvBackends = GemvBackends(),
                  stacks: LayerStacks = LayerStacks()):
         """kv_write_backend "pallas": one kernel norms and rotates q and k and writes k and v into
-        the cache straight from the qkv projection (pallas_kernels/kv_write); gemv_backend: how
-        the qkv and output projections run (``project``); "reference": XLA.  The kernels read
-        this layer's weights from ``stacks`` where it holds them."""
+        the cache straight from the qkv projection (pallas_kernels/kv_write); gemv: how the qkv
+        and output projections run (``project``); "reference": XLA.  The kernels read this
+        layer's weights from ``stacks`` where it holds them."""
         T = x.shape[0]
         H, D = self.num_heads, self.head_dim
-        qkv = project(self.qkv_proj, x, gemv_backend, stacks.qkv, layer)
+        qkv = project(self.qkv_proj, x, gemv.qkv, stacks.qkv, layer)
         if resolve_kv_write_backend(kv_write_backend, D) == "reference":
             q, k, v = self._qkv(x, cos, sin, qkv)
             out, kc, vc = paged_attention(q, k, v, cache.k, cache.v, batch, layer, sm_scale=D**-0.5, backend=backend)
@@ -153,7 +174,7 @@ class Qwen3Attention(nnx.Module):
                                              num_q_heads=H, eps=self.k_norm.eps, layer=layer, q_norm_weight=qw,
                                              backend="pallas")
             out = attend_paged(q, kc, vc, batch, layer, sm_scale=D**-0.5, backend=backend)
-        return project(self.o_proj, out.reshape(T, -1), gemv_backend, stacks.o, layer), KVCache(kc, vc)
+        return project(self.o_proj, out.reshape(T, -1), gemv.o, stacks.o, layer), KVCache(kc, vc)
 
     def dense(self, x, cos, sin, mask):
         """Training path: x [B, L, d] without a cache; mask [B, L, L] (True = may attend);
@@ -170,12 +191,12 @@ class Qwen3MLP(nnx.Module):
         self.gate_up_proj = _linear(d, 2 * f, bias=False, dtype=dtype, rngs=rngs)
         self.down_proj = _linear(f, d, bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, gemv_backend: str = "reference", stacks: LayerStacks = LayerStacks(), layer=None):
-        """gemv_backend "pallas": both projections through the GEMV kernel (``project``).  The
-        SwiGLU product stays an XLA op: the kernel's fused SwiGLU prologue ran the down projection
-        at 13-15% of the copy bandwidth on the H200 (benchmarks/results/gemv_h200_b9ffde6.md)."""
-        gate_up = project(self.gate_up_proj, x, gemv_backend, stacks.gate_up, layer)
-        return project(self.down_proj, swiglu(gate_up), gemv_backend, stacks.down, layer)
+    def __call__(self, x, gemv: GemvBackends = GemvBackends(), stacks: LayerStacks = LayerStacks(), layer=None):
+        """gemv: how the two projections run (``project``).  The SwiGLU product stays an XLA op:
+        the kernel's fused SwiGLU prologue ran the down projection at 13-15% of the copy
+        bandwidth on the H200 (benchmarks/results/gemv_h200_b9ffde6.md)."""
+        gate_up = project(self.gate_up_proj, x, gemv.gate_up, stacks.gate_up, layer)
+        return project(self.down_proj, swiglu(gate_up), gemv.down, stacks.down, layer)
 
 
 class Qwen3DecoderLayer(nnx.Module):
@@ -187,7 +208,7 @@ class Qwen3DecoderLayer(nnx.Module):
 
     def __call__(
         self, x, delta, cos, sin, cache, batch, layer, *, backend: str, norm_backend: str = "reference",
-        kv_write_backend: str = "reference", gemv_backend: str = "reference", stacks: LayerStacks = LayerStacks(),
+        kv_write_backend: str = "reference", gemv: GemvBackends = GemvBackends(), stacks: LayerStacks = LayerStacks(),
     ):
         """x: the residual stream before the previous layer's MLP output ``delta`` is added (zeros
         for the first layer).  Returns (x, this layer's MLP output, cache): each residual add is
@@ -195,9 +216,9 @@ class Qwen3DecoderLayer(nnx.Module):
         stacks: the all-layer weight stacks the Pallas kernels index with ``layer``."""
         h, x = add_rms_norm(self.input_layernorm, delta, x, norm_backend, (stacks.input_norm, layer))
         attn, cache = self.self_attn(h, cos, sin, cache, batch, layer, backend=backend,
-                                     kv_write_backend=kv_write_backend, gemv_backend=gemv_backend, stacks=stacks)
+                                     kv_write_backend=kv_write_backend, gemv=gemv, stacks=stacks)
         h, x = add_rms_norm(self.post_attention_layernorm, attn, x, norm_backend, (stacks.post_norm, layer))
-        return x, self.mlp(h, gemv_backend, stacks, layer), cache
+        return x, self.mlp(h, gemv, stacks, layer), cache
 
     def dense(self, x, cos, sin, mask):
         x = x + self.self_attn.dense(self.input_layernorm(x), cos, sin, mask)
@@ -237,7 +258,7 @@ class Qwen3ForCausalLM(nnx.Module):
             else _linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
         )
 
-    def _kernel_stacks(self, T: int, norm_backend: str, kv_write_backend: str, gemv_backend: str) -> LayerStacks:
+    def _kernel_stacks(self, T: int, norm_backend: str, kv_write_backend: str, gemv: GemvBackends) -> LayerStacks:
         """The weight stacks of the ops that run as Pallas kernels for T packed rows."""
         cfg, lay = self.config, self.layers
         out = {}
@@ -247,7 +268,7 @@ class Qwen3ForCausalLM(nnx.Module):
             out.update(q_norm=lay.self_attn.q_norm.weight[...], k_norm=lay.self_attn.k_norm.weight[...])
         for name, linear in (("qkv", lay.self_attn.qkv_proj), ("o", lay.self_attn.o_proj),
                              ("gate_up", lay.mlp.gate_up_proj), ("down", lay.mlp.down_proj)):
-            if runs_gemv_kernel(linear, T, gemv_backend):
+            if runs_gemv_kernel(linear, T, getattr(gemv, name)):
                 out[name] = linear.kernel[...]
         return LayerStacks(**out)
 
@@ -269,12 +290,14 @@ class Qwen3ForCausalLM(nnx.Module):
         norm_backend: str = "reference",
         kv_write_backend: str = "reference",
         gemv_backend: str = "reference",
+        gemv_projections: tuple[str, ...] = GEMV_PROJECTIONS,
     ) -> ForwardOutput:
         """scan_layers=False unrolls the layer loop (static weight slices): a larger program that
         XLA may schedule better for latency-bound decode; the result is identical.
         norm_backend: how each residual add + RMSNorm runs (``add_rms_norm``); kv_write_backend:
         how q and k are normed and rotated and k / v written into the cache (``Qwen3Attention``);
-        gemv_backend: how the four projections of each layer run (``project``)."""
+        gemv_backend: how the projections named in ``gemv_projections`` (of ``GEMV_PROJECTIONS``)
+        run (``project``); the others run under XLA."""
         for name, value in (("norm_backend", norm_backend), ("kv_write_backend", kv_write_backend),
                             ("gemv_backend", gemv_backend)):
             if value not in BACKENDS:
@@ -298,7 +321,8 @@ class Qwen3ForCausalLM(nnx.Module):
                 taps = taps.at[i].set(x)
 
         layer_def, layer_state = nnx.split(self.layers)
-        stacks = self._kernel_stacks(x.shape[0], norm_backend, kv_write_backend, gemv_backend)
+        gemv = GemvBackends.of(gemv_backend, gemv_projections)
+        stacks = self._kernel_stacks(x.shape[0], norm_backend, kv_write_backend, gemv)
 
         def body(carry, xs):
             h, delta, kc, vc, taps = carry
@@ -306,7 +330,7 @@ class Qwen3ForCausalLM(nnx.Module):
             h, delta, cache_l = nnx.merge(layer_def, state)(h, delta, cos, sin, KVCache(kc, vc), batch, layer,
                                                             backend=backend, norm_backend=norm_backend,
                                                             kv_write_backend=kv_write_backend,
-                                                            gemv_backend=gemv_backend, stacks=stacks)
+                                                            gemv=gemv, stacks=stacks)
             if len(tap_layers):
                 slot = tap_slot[layer]
                 s = jnp.maximum(slot, 0)
