@@ -240,10 +240,11 @@ def test_block_accept_estimator_brackets_the_cap_accept_ceiling(pair):
     assert all("ceiling_estimate" in r.stats["spec"] for r in res_est)
 
 
-@pytest.mark.parametrize("mode", ["static", "compact"])
-def test_sampled_speculation_follows_target_distribution(mode):
+@pytest.mark.parametrize("mode, draft_scale", [("static", 1.0), ("compact", 1.0), ("static", 1.6)])
+def test_sampled_speculation_follows_target_distribution(mode, draft_scale):
     """Temperature 1 on a 6-token vocabulary: the joint law of the first three generated tokens
-    (one from prefill, two from speculative rounds) matches the target's, by chi-square."""
+    (one from prefill, two from speculative rounds) matches the target's, by chi-square; also
+    with drafts sampled at 1.6x the temperature (draft_temperature_scale)."""
     import jax
 
     from dspark_jax.models.qwen3 import Qwen3ForCausalLM, forward_dense
@@ -263,7 +264,8 @@ def test_sampled_speculation_follows_target_distribution(mode):
     joint = np.einsum("a,ab,abc->abc", p[0, 2], p[::V, 3].reshape(V, V), p[:, 4].reshape(V, V, V))
     eng = SpeculativeEngine(target, None, drafter, EngineConfig(max_running_requests=64, max_prefill_tokens=256, max_prefill_seqs=64,
                                                                  max_model_len=64, page_size=4),
-                            SpeculativeConfig(mode=mode, cost_table=TABLE if mode == "compact" else None))
+                            SpeculativeConfig(mode=mode, cost_table=TABLE if mode == "compact" else None,
+                                              draft_temperature_scale=draft_scale))
     n = 6000
     res = eng.generate([prompt] * n, [SamplingParams(max_new_tokens=3, temperature=1.0, seed=i, ignore_eos=True)
                                       for i in range(n)])

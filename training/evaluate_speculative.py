@@ -43,7 +43,8 @@ def _engine(args):
     from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
 
     sts = StsCalibration.load(args.sts_path) if args.sts_path else None  # explicit: this measures calibration
-    spec = SpeculativeConfig(mode="static", sts=sts, record_sts_dir=args.record_sts_dir)
+    spec = SpeculativeConfig(mode="static", sts=sts, record_sts_dir=args.record_sts_dir,
+                             draft_temperature_scale=args.draft_temperature_scale)
     return SpeculativeEngine.from_pretrained(target, args.drafter or default_drafter_path(), ec, spec,
                                              sts_from_folder=False)
 
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
     ap.add_argument("--max-running", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--draft-temperature-scale", type=float, default=1.0,
+                    help="DSpark drafts sampled at this multiple of the request temperature (lossless)")
     ap.add_argument("--lazy-compile", action="store_true",
                     help="compile each step shape on first use instead of every tier at start-up (at --max-running "
                          "256 the start-up compile alone outlasted a 150 s budget on a fresh H200 machine)")
@@ -107,6 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     engine = _engine(args)
     prompts = [p for p in prompts if len(engine.encode_prompt(p["prompt"])) <= args.max_prompt_tokens]
     report = {"algorithm": args.algorithm, "split": args.split, "per_workload": args.per_workload,
+              "draft_temperature_scale": args.draft_temperature_scale,
               "max_new_tokens": args.max_new_tokens, "sts_path": str(args.sts_path) if args.sts_path else None,
               "results": evaluate(engine, prompts, [float(t) for t in args.temperatures.split(",")],
                                   args.max_new_tokens, args.seed)}

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import time
 
 import jax
@@ -93,6 +94,10 @@ class SpeculativeConfig:
     # Profiling (benchmarks/profile_sps.py): compact rounds verify exactly this many draft tokens
     # beyond the anchors (capped at bs * gamma) instead of the scheduler's budget.
     forced_budget: int | None = None
+    # Drafts are sampled at this multiple of each request's temperature (and judged with the same
+    # draft distribution, so the output still follows the target exactly).  A drafter sharper
+    # than the target at T=1 loses acceptance that a flatter draft distribution recovers.
+    draft_temperature_scale: float = 1.0
 
 
 @dataclasses.dataclass
@@ -119,6 +124,8 @@ class SpeculativeEngine(Engine):
         self.spec = spec or SpeculativeConfig()
         if self.spec.mode not in MODES:
             raise ValueError(f"verify mode must be one of {MODES}, got {self.spec.mode!r}")
+        if not (math.isfinite(self.spec.draft_temperature_scale) and self.spec.draft_temperature_scale > 0):
+            raise ValueError(f"draft_temperature_scale must be a finite number > 0, got {self.spec.draft_temperature_scale}")
         dcfg = drafter.config
         self.gamma = G = dcfg.block_size
         self.estimator = None
@@ -170,6 +177,7 @@ class SpeculativeEngine(Engine):
             self._spec_jit[mode] = jax.jit(
                 with_packed_inputs(with_flat_states(
                     functools.partial(spec_step, self.target_def, self.drafter_def, mode=mode, page_size=ps,
+                                      draft_temperature_scale=float(self.spec.draft_temperature_scale),
                                       **self.draft_step_options(prefill=False)), state_defs), index=4),
                 donate_argnums=(2, 3), static_argnames=("num_tokens", "pack"))
         self._spec_packs: dict[int, HostPack] = {}  # by S: the round inputs' layout

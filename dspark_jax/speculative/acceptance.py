@@ -45,13 +45,16 @@ def verify(
     keys: jax.Array,
     *,
     commit_cap: jax.Array | None = None,
+    draft_temperature: jax.Array | None = None,
 ) -> Acceptance:
     """target_logits [S, W, V] (row i after verify input i; rows >= verify_lens are ignored),
     draft_tokens [S, gamma], draft_logits [S, gamma, V] (corrected, untempered), verify_lens [S]
     counting the anchor (1..gamma+1), per-request sampling settings, keys [S] PRNG keys.
 
     commit_cap [S] (cap-accept mode): judge all verify_lens rows but commit at most
-    commit_cap - 1 drafts; block_accept then reports what full verification accepted."""
+    commit_cap - 1 drafts; block_accept then reports what full verification accepted.
+    draft_temperature [S]: the temperature the drafts were sampled at (default: the target's),
+    which q must use for the accept ratio and the residual to stay exact."""
     S, W, V = target_logits.shape
     G = draft_tokens.shape[1]
     greedy_row = temperature <= 0
@@ -60,7 +63,8 @@ def verify(
     filt = _filtered_logits(target_logits.reshape(S * W, V).astype(jnp.float32), rep(temperature),
                             rep(top_k), rep(top_p)).reshape(S, W, V)
     p = jax.nn.softmax(filt, axis=-1)
-    q = jax.nn.softmax(draft_logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)[:, None, None], axis=-1)
+    t_draft = temperature if draft_temperature is None else draft_temperature
+    q = jax.nn.softmax(draft_logits.astype(jnp.float32) / jnp.maximum(t_draft, 1e-6)[:, None, None], axis=-1)
     k_accept, k_bonus = jax.vmap(lambda k: jax.random.split(k, 2), out_axes=1)(keys)
     u = jax.vmap(lambda k: jax.random.uniform(k, (G,)))(k_accept)
 

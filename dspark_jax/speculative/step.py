@@ -112,10 +112,13 @@ def block_batch(inp: SpecInputs, gamma: int, mask_token: int, page_size: int) ->
     )
 
 
-def estimator_log_probs(draft_logits, drafts, target_logits, verify_lens, probes, temperature) -> EstimatorLogProbs:
-    """Gather the block-accept estimator's log-probabilities on device (V never leaves it)."""
+def estimator_log_probs(draft_logits, drafts, target_logits, verify_lens, probes, temperature,
+                        draft_temperature=None) -> EstimatorLogProbs:
+    """Gather the block-accept estimator's log-probabilities on device (V never leaves it);
+    draft_temperature: what the drafts were sampled at (default: the target's temperature)."""
     t = jnp.maximum(temperature, 1e-6)[:, None, None]
-    logq = jax.nn.log_softmax(draft_logits.astype(jnp.float32) / t, axis=-1)
+    t_draft = t if draft_temperature is None else jnp.maximum(draft_temperature, 1e-6)[:, None, None]
+    logq = jax.nn.log_softmax(draft_logits.astype(jnp.float32) / t_draft, axis=-1)
     draft_logq = jnp.take_along_axis(logq, drafts[..., None], axis=-1)[..., 0]
     logp = jax.nn.log_softmax(target_logits.astype(jnp.float32) / t, axis=-1)  # [S, G+1, V]
     G = drafts.shape[1]
@@ -129,11 +132,15 @@ def estimator_log_probs(draft_logits, drafts, target_logits, verify_lens, probes
 
 def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCache, dcache: KVCache,
               inp: SpecInputs, sts_temperatures, *, mode: str, num_tokens: int, page_size: int, backend: str,
-              target_options: tuple = (), unroll: bool = False):
+              target_options: tuple = (), unroll: bool = False, draft_temperature_scale: float = 1.0):
+    """draft_temperature_scale c: drafts are sampled at c x the request's temperature (q then
+    uses the same in the accept ratio, so the output distribution stays the target's; greedy
+    rows are unaffected)."""
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state)
     cfg = drafter.config
     G, S = cfg.block_size, inp.anchor.shape[0]
+    draft_temperature = inp.temperature * draft_temperature_scale
     fed, row = inp.fed_index >= 0, jnp.maximum(inp.fed_index, 0)
     inp = inp._replace(anchor=jnp.where(fed, inp.fed_anchor[row], inp.anchor),
                        start=jnp.where(fed, inp.fed_start[row], inp.start))
@@ -141,7 +148,7 @@ def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCa
     # 1. Draft.
     blk = block_batch(inp, G, cfg.mask_token_id, page_size)
     h, base, dcache = drafter.draft_block(target, dcache, blk, backend=backend, unroll=unroll)
-    bs = sample_block(drafter, h.reshape(S, G, -1), base.reshape(S, G, -1), inp.anchor, inp.temperature,
+    bs = sample_block(drafter, h.reshape(S, G, -1), base.reshape(S, G, -1), inp.anchor, draft_temperature,
                       _keys(inp.seed, inp.start, 1), unroll=unroll)
     survival = jnp.cumprod(jax.nn.sigmoid(bs.confidence / sts_temperatures[None, :]), axis=1)
 
@@ -158,7 +165,8 @@ def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCa
 
     # 4. Accept.
     acc = verify(logits, bs.tokens, bs.logits, jnp.maximum(verify_lens, 1), inp.temperature, inp.top_k, inp.top_p,
-                 _keys(inp.seed, inp.start, 2), commit_cap=window if mode == "cap-accept" else None)
+                 _keys(inp.seed, inp.start, 2), commit_cap=window if mode == "cap-accept" else None,
+                 draft_temperature=draft_temperature)
 
     # 5. Rows anchor..a of each request become draft context (their target hidden states).
     req, within, valid = packed_rows(verify_lens, num_tokens)
@@ -166,7 +174,8 @@ def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCa
     ctx_slots = jnp.where(keep, fb.slot_mapping, jnp.arange(num_tokens) % page_size)
     dcache = drafter.extend_context(dcache, out.taps, fb.positions, ctx_slots, unroll=unroll)
     pad = lambda x: jnp.zeros(inp.fed_anchor.shape, jnp.int32).at[:S].set(jnp.where(inp.live, x, 0).astype(jnp.int32))
-    est = (estimator_log_probs(bs.logits, bs.tokens, logits, verify_lens, inp.probes, inp.temperature)
+    est = (estimator_log_probs(bs.logits, bs.tokens, logits, verify_lens, inp.probes, inp.temperature,
+                               draft_temperature)
            if inp.probes.shape[-1] else None)
     res = SpecOutputs(bs.tokens, acc.num_accepted, acc.bonus, verify_lens, acc.block_accept, survival, bs.confidence,
                       pad(acc.bonus), pad(inp.start + acc.num_accepted + 1), est)
