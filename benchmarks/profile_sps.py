@@ -65,7 +65,7 @@ def device_round_seconds(eng: SpeculativeEngine, bs: int, K: int, args) -> tuple
     """(tier, median seconds) of the compiled round alone on a steady batch."""
     T, S, inp = steady_inputs(eng, bs, K, args.context)
     def run():  # as the engine dispatches it: the host inputs packed into one transfer
-        jax.block_until_ready(eng._run_round(T, S, inp).bonus)
+        jax.block_until_ready(eng._run_round(T, S, inp).results)
 
     t = time_fn(run, warmup=3, iters=args.iters)
     for i in range(bs):

@@ -83,3 +83,38 @@ def test_bad_layouts_and_inputs_are_refused():
     pack = HostPack.of(x, ("fed",))
     with pytest.raises(ValueError, match="shape"):
         pack.pack(x._replace(table=np.zeros((5, 4), np.int32)))
+
+
+class Results(NamedTuple):
+    tokens: jax.Array  # [S, G] int32
+    live: jax.Array  # [S] bool
+    seed: jax.Array  # [S] uint32
+    survival: jax.Array  # [S, G] float32 (bf16 values on the GPU)
+
+
+def test_results_come_back_through_one_buffer_bit_exact():
+    """pack_traced inside a jitted step and unpack_host on the host give back every value:
+    int32 extremes, bools, uint32 above 2**31, float32 specials, and bf16 widened to float32."""
+    rng = np.random.default_rng(3)
+    S, G = 4, 3
+    tokens = rng.integers(-2**31, 2**31 - 1, (S, G), dtype=np.int64).astype(np.int32)
+    live = rng.random(S) < 0.5
+    seed = rng.integers(0, 2**32, S, dtype=np.uint64).astype(np.uint32)
+    surv = np.array([[0.0, -0.0, np.inf], [np.nan, 1e-40, 0.5], [1.0, 2.0, 3.0], [-1.5, 7.0, 0.25]], np.float32)
+    layout = HostPack.of(Results(tokens, live, seed, surv))
+    assert layout.size == S * G + S + S + S * G
+    step = jax.jit(lambda t, l, s, v: layout.pack_traced(Results(t, l, s, v)))
+    for survival in (surv, surv.astype(jnp.bfloat16)):  # a bf16 field widens exactly
+        buf = np.asarray(step(tokens, live, seed, jnp.asarray(survival)))
+        assert buf.dtype == np.int32 and buf.shape == (layout.size,)
+        got = layout.unpack_host(buf)
+        np.testing.assert_array_equal(got.tokens, tokens)
+        np.testing.assert_array_equal(got.live, live)
+        assert got.live.dtype == np.bool_ and got.seed.dtype == np.uint32
+        np.testing.assert_array_equal(got.seed, seed)
+        want = np.asarray(jnp.asarray(survival).astype(jnp.float32))
+        np.testing.assert_array_equal(got.survival.view(np.int32), want.view(np.int32))  # bit for bit, NaN too
+    with pytest.raises(ValueError, match="layout expects"):
+        layout.unpack_host(buf[:-1])
+    with pytest.raises(ValueError, match="layout expects"):
+        step(tokens[:, :2], live, seed, surv)

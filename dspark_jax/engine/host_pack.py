@@ -1,4 +1,4 @@
-"""One host-to-device transfer per step: a step's small host arrays packed into one int32 buffer.
+"""One transfer per step each way: a step's small host arrays packed into one int32 buffer.
 
 A speculative round takes a dozen small host arrays (anchors, positions, page tables, sampling
 parameters, ...).  Handed to a compiled executable one by one, each is its own host-to-device
@@ -11,6 +11,10 @@ executable (static slices of one parameter, which XLA can fuse into their consum
 at 9cab8e4 (command buffers on): the batch-64 round's dispatch went from 1.70 to 1.25 ms while
 the pre-placed form, which the change does not touch, stayed at 1.11 / 1.06 ms
 (benchmarks/results/dispatch_bs64_gpu_cmdbuf_while_packed_9cab8e4.md).
+
+The same layout carries a step's small results back (``pack_traced`` inside the executable,
+``unpack_host`` on the host): read as separate arrays, the seven results of a speculative round
+took 0.13 ms on the CPU against 0.02 ms as one buffer (benchmarks/profile_dispatch.py).
 
 Fields must be 4-byte (int32, uint32, float32) or bool; fields named as device fields (arrays a
 previous step left on the device) are passed through untouched.
@@ -88,6 +92,35 @@ class HostPack:
             elif dtype != "int32":
                 piece = jax.lax.bitcast_convert_type(piece, jnp.dtype(dtype))
             out[name] = piece
+        return self.cls(**out)
+
+
+    def pack_traced(self, values: NamedTuple) -> jax.Array:
+        """Traced ``pack``: the host fields of `values` (device arrays inside a step) as one int32
+        buffer, so a step's small results come back in one device-to-host transfer."""
+        pieces = []
+        for name, shape, dtype, _ in self.fields:
+            x = jnp.asarray(getattr(values, name))
+            if x.shape != shape:
+                raise ValueError(f"{self.cls.__name__}.{name}: shape {x.shape}, layout expects {shape}")
+            x = x.astype(jnp.dtype(dtype))  # e.g. bf16 confidences into a float32 field (exact)
+            if dtype == "bool":
+                x = x.astype(jnp.int32)
+            elif dtype != "int32":
+                x = jax.lax.bitcast_convert_type(x, jnp.int32)
+            pieces.append(x.reshape(-1))
+        return jnp.concatenate(pieces) if pieces else jnp.zeros((0,), jnp.int32)
+
+    def unpack_host(self, buf: np.ndarray) -> Any:
+        """Host inverse of ``pack_traced``: numpy views into the int32 buffer read back (device
+        fields None)."""
+        buf = np.asarray(buf)
+        if buf.shape != (self.size,) or buf.dtype != np.int32:
+            raise ValueError(f"{self.cls.__name__}: buffer {buf.dtype}{list(buf.shape)}, layout expects int32[{self.size}]")
+        out = dict.fromkeys(self.device_fields)
+        for name, shape, dtype, offset in self.fields:
+            piece = buf[offset : offset + math.prod(shape)].reshape(shape)
+            out[name] = piece != 0 if dtype == "bool" else piece.view(np.dtype(dtype))
         return self.cls(**out)
 
 

@@ -34,6 +34,7 @@ import functools
 import logging
 import math
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,13 +53,47 @@ from dspark_jax.kv_cache import KVCache
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
 from dspark_jax.speculative.cost_model import AdditiveCostTable
 from dspark_jax.speculative.scheduler import ConfidenceScheduler
-from dspark_jax.speculative.step import MODES, SpecInputs, SpecOutputs, prefill_step, spec_step
+from dspark_jax.speculative.step import MODES, EstimatorLogProbs, SpecInputs, SpecOutputs, prefill_step, spec_step
 from dspark_jax.speculative.tiers import TokenTiers
 from dspark_jax.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 SPEC_DEVICE_FIELDS = ("fed_anchor", "fed_start")  # left on the device by the previous round
+
+
+class RoundResults(NamedTuple):
+    """What the host reads of a round, sent back as one int32 buffer (engine/host_pack.py): read
+    as seven arrays they cost 0.13 ms against 0.02 ms as one buffer on the CPU at batch 4
+    (benchmarks/profile_dispatch.py); confidences travel as float32."""
+    drafts: jax.Array
+    num_accepted: jax.Array
+    bonus: jax.Array
+    verify_lens: jax.Array
+    block_accept: jax.Array
+    survival: jax.Array
+    confidence_logits: jax.Array
+
+
+class RoundOutputs(NamedTuple):
+    """A dispatched round's device outputs: its packed results, the next round's anchors and
+    positions (fed on the device, never read), the block-accept estimator's inputs."""
+    results: jax.Array
+    next_anchor: jax.Array
+    next_start: jax.Array
+    estimate: EstimatorLogProbs | None
+
+
+def with_packed_results(fn):
+    """``fn`` returning (SpecOutputs, caches...) as a function returning (RoundOutputs, caches...),
+    the results packed by the layout passed as keyword ``results_pack``."""
+
+    def call(*args, results_pack: HostPack, **kwargs):
+        out, *rest = fn(*args, **kwargs)
+        packed = results_pack.pack_traced(RoundResults(*out[: len(RoundResults._fields)]))
+        return (RoundOutputs(packed, out.next_anchor, out.next_start, out.estimate), *rest)
+
+    return call
 
 
 @dataclasses.dataclass
@@ -104,7 +139,8 @@ class SpeculativeConfig:
 class _Round:
     """A dispatched, unread round: its device outputs and the host facts needed to commit it."""
     reqs: list
-    out: SpecOutputs
+    out: RoundOutputs
+    rows: int  # S, the round's padded request rows
     slots: np.ndarray
     generations: np.ndarray
     step: int
@@ -175,12 +211,13 @@ class SpeculativeEngine(Engine):
         self._spec_jit = {}
         for mode in MODES:
             self._spec_jit[mode] = jax.jit(
-                with_packed_inputs(with_flat_states(
+                with_packed_results(with_packed_inputs(with_flat_states(
                     functools.partial(spec_step, self.target_def, self.drafter_def, mode=mode, page_size=ps,
                                       draft_temperature_scale=float(self.spec.draft_temperature_scale),
-                                      **self.draft_step_options(prefill=False)), state_defs), index=4),
-                donate_argnums=(2, 3), static_argnames=("num_tokens", "pack"))
+                                      **self.draft_step_options(prefill=False)), state_defs), index=4)),
+                donate_argnums=(2, 3), static_argnames=("num_tokens", "pack", "results_pack"))
         self._spec_packs: dict[int, HostPack] = {}  # by S: the round inputs' layout
+        self._result_packs: dict[int, HostPack] = {}  # by S: the round results' layout
         self._compiled: dict = {}
         self._num_probes = self.estimator.max_pending if self.estimator is not None else 0
         self._step = 0  # rounds dispatched
@@ -269,12 +306,17 @@ class SpeculativeEngine(Engine):
                              s((), i32), s((S,), np.float32), s((S,), i32), s((S,), np.float32), s((S,), np.uint32),
                              s((R,), i32), s((R,), i32), s((S,), i32), s((S, self.gamma + 1, self._num_probes), i32))
             pack = self._spec_packs.setdefault(S, HostPack.of(inp, device_fields=SPEC_DEVICE_FIELDS))
+            G, f32 = self.gamma, np.float32
+            results = RoundResults(s((S, G), i32), s((S,), i32), s((S,), i32), s((S,), i32), s((S,), i32),
+                                   s((S, G), f32), s((S, G), f32))
+            results_pack = self._result_packs.setdefault(S, HostPack.of(results))
             self._compiled[key] = self._spec_jit[self.spec.mode].lower(
                 *self.state_args, self._abstract(self.tcache), self._abstract(self.dcache), pack.spec(),
-                pack.device(inp), self._abstract(self.sts_temperatures), num_tokens=T, pack=pack).compile()
+                pack.device(inp), self._abstract(self.sts_temperatures), num_tokens=T, pack=pack,
+                results_pack=results_pack).compile()
         return self._compiled[key]
 
-    def _run_round(self, T: int, S: int, inp: SpecInputs) -> SpecOutputs:
+    def _run_round(self, T: int, S: int, inp: SpecInputs) -> RoundOutputs:
         """Dispatch the compiled round of tier (T, S) on `inp` (host fields packed into one transfer);
         the caches are donated and replaced."""
         fn = self._compiled_spec(T, S)
@@ -352,15 +394,15 @@ class SpeculativeEngine(Engine):
         self._compiled_spec(T, S)  # compiled before the clock starts (precompile off)
         t0 = time.perf_counter()
         out = self._run_round(T, S, inp)
-        for x in jax.tree.leaves((out[:7], out.estimate)):  # what _read needs; the fed arrays stay on device
+        for x in jax.tree.leaves((out.results, out.estimate)):  # what _read needs; the fed arrays stay on device
             x.copy_to_host_async()
-        return _Round(reqs, out, slots, generations, step, K, T, predicted, t0, prev is not None)
+        return _Round(reqs, out, S, slots, generations, step, K, T, predicted, t0, prev is not None)
 
     def _read(self, rnd: _Round):
         """Read a dispatched round (the one host sync per round) and commit its tokens."""
         G, bs = self.gamma, len(rnd.reqs)
-        host, estimate = jax.device_get((tuple(rnd.out[:7]), rnd.out.estimate))
-        out = SpecOutputs(*host, None, None, estimate)
+        buf, estimate = jax.device_get((rnd.out.results, rnd.out.estimate))
+        out = SpecOutputs(*self._result_packs[rnd.rows].unpack_host(buf), None, None, estimate)
         now = time.perf_counter()
         # The round's cost as the engine sees it: from its dispatch or the previous read, whichever
         # came later, to this read.  Overlapped, that is the period between reads (device time or
