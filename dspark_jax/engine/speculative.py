@@ -90,7 +90,7 @@ def with_packed_results(fn):
 
     def call(*args, results_pack: HostPack, **kwargs):
         out, *rest = fn(*args, **kwargs)
-        packed = results_pack.pack_traced(RoundResults(*out[: len(RoundResults._fields)]))
+        packed = results_pack.pack_traced(RoundResults(*(getattr(out, name) for name in RoundResults._fields)))
         return (RoundOutputs(packed, out.next_anchor, out.next_start, out.estimate), *rest)
 
     return call
@@ -402,7 +402,8 @@ class SpeculativeEngine(Engine):
         """Read a dispatched round (the one host sync per round) and commit its tokens."""
         G, bs = self.gamma, len(rnd.reqs)
         buf, estimate = jax.device_get((rnd.out.results, rnd.out.estimate))
-        out = SpecOutputs(*self._result_packs[rnd.rows].unpack_host(buf), None, None, estimate)
+        results = self._result_packs[rnd.rows].unpack_host(buf)
+        out = SpecOutputs(**results._asdict(), next_anchor=None, next_start=None, estimate=estimate)
         now = time.perf_counter()
         # The round's cost as the engine sees it: from its dispatch or the previous read, whichever
         # came later, to this read.  Overlapped, that is the period between reads (device time or
