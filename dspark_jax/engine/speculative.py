@@ -130,8 +130,9 @@ class SpeculativeConfig:
     # beyond the anchors (capped at bs * gamma) instead of the scheduler's budget.
     forced_budget: int | None = None
     # Drafts are sampled at this multiple of each request's temperature (and judged with the same
-    # draft distribution, so the output still follows the target exactly).  A drafter sharper
-    # than the target at T=1 loses acceptance that a flatter draft distribution recovers.
+    # draft distribution, so the output still follows the target exactly; greedy rows are
+    # unaffected).  For the embedded pair at T=1, 1.0 is best on code and verse and sharper drafts
+    # (0.6) help math only (CPU: benchmarks/results/draft_temperature_scale_t1_cpu_6622b87.md).
     draft_temperature_scale: float = 1.0
 
 
