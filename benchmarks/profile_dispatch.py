@@ -21,7 +21,7 @@ optimized HLO (benchmarks/hlo_launches.py), and the dispatch time per launch; an
 a round's results costs once they are ready: the seven arrays the engine reads (drafts, accept
 counts, bonus, windows, ceilings, survival, confidence logits) fetched separately, against the
 same values as one int32 buffer, which is how the engine now receives them (0.13 vs 0.02 ms on
-the CPU at batch 4; engine/speculative.py RoundResults).
+the CPU at batch 4; engine/speculative.py RoundOutputs).
 
     python benchmarks/profile_dispatch.py --batch-size 64 --out-dir $OUT
 """
@@ -131,8 +131,8 @@ def main(argv=None):
 
     def as_sent(inputs):
         def call():
-            out, state["tc"], state["dc"] = fn(tstate, dstate, state["tc"], state["dc"], inputs, fed, sts)
-            return out
+            results, kept, state["tc"], state["dc"] = fn(tstate, dstate, state["tc"], state["dc"], inputs, fed, sts)
+            return results, kept
         return call
 
     timed = {
@@ -143,9 +143,11 @@ def main(argv=None):
     ready = {k: v[1] for k, v in timed.items()}
     launches = count_launches(fn.as_text())
     # the round's seven results as separate device arrays (the engine receives them packed)
-    packed_results = jax.block_until_ready(as_sent(on_device)()).results
+    packed_results = jax.block_until_ready(as_sent(on_device)())[0]
     layout = next(p for p in eng._result_packs.values() if p.size == packed_results.size)
-    reads = time_reads(tuple(jax.jit(lambda b: tuple(layout.unpack(b, ())))(packed_results)), args.calls)
+    separate = jax.jit(lambda b: tuple(getattr(layout.unpack(b, (None,) * len(layout.device_fields)), name)
+                                       for name, *_ in layout.fields))
+    reads = time_reads(separate(packed_results), args.calls)
     env = environment()
     payload = {"env": env, "batch_size": args.batch_size, "calls": args.calls, "host_input_arrays": n_host,
                "dispatch_seconds": results,

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.engine.host_pack import HostPack, with_packed_inputs
+from dspark_jax.engine.host_pack import HostPack, with_packed_inputs, with_packed_outputs
 
 
 class Inputs(NamedTuple):
@@ -118,3 +118,24 @@ def test_results_come_back_through_one_buffer_bit_exact():
         layout.unpack_host(buf[:-1])
     with pytest.raises(ValueError, match="layout expects"):
         step(tokens[:, :2], live, seed, surv)
+
+
+def test_a_step_returns_its_results_packed_and_its_device_fields_as_they_are():
+    """with_packed_outputs: (NamedTuple, *rest) -> (host fields as one buffer, device fields, *rest)."""
+    class Out(NamedTuple):
+        tokens: jax.Array
+        kept: jax.Array  # stays on the device
+        score: jax.Array
+
+    layout = HostPack.of(Out(jax.ShapeDtypeStruct((3,), jnp.int32), None, jax.ShapeDtypeStruct((3,), jnp.float32)),
+                         device_fields=("kept",))
+    step = jax.jit(with_packed_outputs(lambda x: (Out(x.astype(jnp.int32), x * 10, x / 4), x + 1)),
+                   static_argnames=("out_pack",))
+    x = jnp.array([1.0, 2.0, 3.0])
+    buf, (kept,), rest = step(x, out_pack=layout)
+    got = layout.unpack_host(np.asarray(buf))
+    np.testing.assert_array_equal(got.tokens, [1, 2, 3])
+    np.testing.assert_array_equal(got.score, [0.25, 0.5, 0.75])
+    assert got.kept is None and isinstance(kept, jax.Array)
+    np.testing.assert_array_equal(np.asarray(kept), [10.0, 20.0, 30.0])
+    np.testing.assert_array_equal(np.asarray(rest), [2.0, 3.0, 4.0])

@@ -133,3 +133,15 @@ def with_packed_inputs(fn, index: int):
         return fn(*args[:index], inputs, *args[index + 2 :], **kwargs)
 
     return call
+
+
+def with_packed_outputs(fn):
+    """``fn`` returning (a NamedTuple, *rest) as a function returning (its host fields as one
+    int32 buffer, its device fields, *rest), the layout passed as keyword ``out_pack``: a step's
+    small results then come back in one device-to-host transfer (``HostPack.unpack_host``)."""
+
+    def call(*args, out_pack: HostPack, **kwargs):
+        out, *rest = fn(*args, **kwargs)
+        return (out_pack.pack_traced(out), out_pack.device(out), *rest)
+
+    return call

@@ -31,7 +31,7 @@ from flax import nnx
 
 from dspark_jax.engine.engine import Engine, EngineConfig
 from dspark_jax.engine.flat_state import flatten_states, with_flat_states
-from dspark_jax.engine.host_pack import HostPack, with_packed_inputs
+from dspark_jax.engine.host_pack import HostPack, with_packed_inputs, with_packed_outputs
 from dspark_jax.engine.request import Status
 from dspark_jax.engine.spec_rounds import commit_rounds, new_round_stats, summarize_rounds
 from dspark_jax.forward_batch import shape_struct
@@ -69,13 +69,15 @@ class MTPEngine(Engine):
             with_flat_states(functools.partial(mtp_prefill_step, self.target_def, self.drafter_def,
                                                **self.draft_step_options(prefill=True)),
                              state_defs), donate_argnums=(2, 3, 4))
-        # host inputs packed into one transfer, as the DSpark engine's rounds (engine/host_pack.py)
+        # host inputs packed into one transfer and the results into one on the way back, as the
+        # DSpark engine's rounds (engine/host_pack.py)
         self._spec_jit = jax.jit(
-            with_packed_inputs(with_flat_states(
+            with_packed_outputs(with_packed_inputs(with_flat_states(
                 functools.partial(mtp_spec_step, self.target_def, self.drafter_def, page_size=self.pool.page_size,
-                                  **self.draft_step_options(prefill=False)), state_defs), index=5),
-            donate_argnums=(2, 3, 4), static_argnames=("num_tokens", "pack"))
+                                  **self.draft_step_options(prefill=False)), state_defs), index=5)),
+            donate_argnums=(2, 3, 4), static_argnames=("num_tokens", "pack", "out_pack"))
         self._spec_packs: dict[int, HostPack] = {}  # by S: the round inputs' layout
+        self._out_packs: dict[int, HostPack] = {}  # by S: the round results' layout
         self._compiled: dict = {}
         self._slot_of: dict[str, int] = {}
         self.stats = new_round_stats()
@@ -138,9 +140,11 @@ class MTPEngine(Engine):
             inp = MTPInputs(s((S,), i32), s((S,), i32), s((S, self.pages_per_seq), i32), s((S,), np.bool_), s((), i32),
                             s((S,), i32), s((S,), np.float32), s((S,), i32), s((S,), np.float32), s((S,), np.uint32))
             pack = self._spec_packs.setdefault(S, HostPack.of(inp))
+            out_pack = self._out_packs.setdefault(S, HostPack.of(MTPOutputs(*(s(shape, i32) for shape in (
+                (S, self.num_steps), (S,), (S,), (S,), (S,))))))
             self._compiled[key] = self._spec_jit.lower(
                 *self.state_args, self._abstract(self.tcache), self._abstract(self.dcache),
-                self._abstract(self.pending), pack.spec(), (), num_tokens=T, pack=pack).compile()
+                self._abstract(self.pending), pack.spec(), (), num_tokens=T, pack=pack, out_pack=out_pack).compile()
         return self._compiled[key]
 
     # -- slots ------------------------------------------------------------------------------
@@ -188,9 +192,9 @@ class MTPEngine(Engine):
                         table, live, np.int32(bs), pad([self._slot_of[r.id] for r in reqs], np.int32),
                         temp, top_k, top_p, seed)
         fn = self._compiled_spec(T, S)
-        out, self.tcache, self.dcache, self.pending = fn(*self.state_args, self.tcache, self.dcache, self.pending,
-                                                         self._spec_packs[S].pack(inp), ())
-        return self._commit(reqs, jax.device_get(out))  # the one host read per round
+        results, _, self.tcache, self.dcache, self.pending = fn(*self.state_args, self.tcache, self.dcache,
+                                                                self.pending, self._spec_packs[S].pack(inp), ())
+        return self._commit(reqs, self._out_packs[S].unpack_host(jax.device_get(results)))  # the one read per round
 
     def _commit(self, reqs, out: MTPOutputs):
         """Commit drafts[:a] + bonus per request (cut at a stop condition) and record the round."""

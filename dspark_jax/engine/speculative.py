@@ -45,7 +45,7 @@ from dspark_jax.calibration.sts import StsCalibration
 from dspark_jax.drafter.model import DSparkDrafter
 from dspark_jax.engine.engine import Engine, EngineConfig
 from dspark_jax.engine.flat_state import flatten_states, with_flat_states
-from dspark_jax.engine.host_pack import HostPack, with_packed_inputs
+from dspark_jax.engine.host_pack import HostPack, with_packed_inputs, with_packed_outputs
 from dspark_jax.engine.request import Status
 from dspark_jax.engine.spec_rounds import commit_rounds, new_round_stats, summarize_rounds
 from dspark_jax.forward_batch import shape_struct
@@ -62,38 +62,19 @@ log = logging.getLogger(__name__)
 SPEC_DEVICE_FIELDS = ("fed_anchor", "fed_start")  # left on the device by the previous round
 
 
-class RoundResults(NamedTuple):
-    """What the host reads of a round, sent back as one int32 buffer (engine/host_pack.py): read
-    as seven arrays they cost 0.13 ms against 0.02 ms as one buffer on the CPU at batch 4
-    (benchmarks/profile_dispatch.py); confidences travel as float32."""
-    drafts: jax.Array
-    num_accepted: jax.Array
-    bonus: jax.Array
-    verify_lens: jax.Array
-    block_accept: jax.Array
-    survival: jax.Array
-    confidence_logits: jax.Array
-
-
 class RoundOutputs(NamedTuple):
-    """A dispatched round's device outputs: its packed results, the next round's anchors and
-    positions (fed on the device, never read), the block-accept estimator's inputs."""
+    """A dispatched round's device outputs: its host-read results packed into one int32 buffer
+    (engine/host_pack.py: read as seven arrays they took 0.13 ms against 0.02 ms as one buffer on
+    the CPU at batch 4, benchmarks/profile_dispatch.py), the next round's anchors and positions
+    (fed on the device, never read), the block-accept estimator's inputs."""
     results: jax.Array
     next_anchor: jax.Array
     next_start: jax.Array
     estimate: EstimatorLogProbs | None
 
 
-def with_packed_results(fn):
-    """``fn`` returning (SpecOutputs, caches...) as a function returning (RoundOutputs, caches...),
-    the results packed by the layout passed as keyword ``results_pack``."""
-
-    def call(*args, results_pack: HostPack, **kwargs):
-        out, *rest = fn(*args, **kwargs)
-        packed = results_pack.pack_traced(RoundResults(*(getattr(out, name) for name in RoundResults._fields)))
-        return (RoundOutputs(packed, out.next_anchor, out.next_start, out.estimate), *rest)
-
-    return call
+# SpecOutputs fields that stay on the device (or travel as their own pytree): the rest are packed
+ROUND_DEVICE_FIELDS = ("next_anchor", "next_start", "estimate")
 
 
 @dataclasses.dataclass
@@ -212,11 +193,11 @@ class SpeculativeEngine(Engine):
         self._spec_jit = {}
         for mode in MODES:
             self._spec_jit[mode] = jax.jit(
-                with_packed_results(with_packed_inputs(with_flat_states(
+                with_packed_outputs(with_packed_inputs(with_flat_states(
                     functools.partial(spec_step, self.target_def, self.drafter_def, mode=mode, page_size=ps,
                                       draft_temperature_scale=float(self.spec.draft_temperature_scale),
                                       **self.draft_step_options(prefill=False)), state_defs), index=4)),
-                donate_argnums=(2, 3), static_argnames=("num_tokens", "pack", "results_pack"))
+                donate_argnums=(2, 3), static_argnames=("num_tokens", "pack", "out_pack"))
         self._spec_packs: dict[int, HostPack] = {}  # by S: the round inputs' layout
         self._result_packs: dict[int, HostPack] = {}  # by S: the round results' layout
         self._compiled: dict = {}
@@ -307,24 +288,25 @@ class SpeculativeEngine(Engine):
                              s((), i32), s((S,), np.float32), s((S,), i32), s((S,), np.float32), s((S,), np.uint32),
                              s((R,), i32), s((R,), i32), s((S,), i32), s((S, self.gamma + 1, self._num_probes), i32))
             pack = self._spec_packs.setdefault(S, HostPack.of(inp, device_fields=SPEC_DEVICE_FIELDS))
-            G, f32 = self.gamma, np.float32
-            results = RoundResults(s((S, G), i32), s((S,), i32), s((S,), i32), s((S,), i32), s((S,), i32),
-                                   s((S, G), f32), s((S, G), f32))
-            results_pack = self._result_packs.setdefault(S, HostPack.of(results))
+            G, f32 = self.gamma, np.float32  # confidences travel as float32 (bf16 on the GPU: exact)
+            results = SpecOutputs(s((S, G), i32), s((S,), i32), s((S,), i32), s((S,), i32), s((S,), i32),
+                                  s((S, G), f32), s((S, G), f32), None, None, None)
+            results_pack = self._result_packs.setdefault(S, HostPack.of(results, ROUND_DEVICE_FIELDS))
             self._compiled[key] = self._spec_jit[self.spec.mode].lower(
                 *self.state_args, self._abstract(self.tcache), self._abstract(self.dcache), pack.spec(),
                 pack.device(inp), self._abstract(self.sts_temperatures), num_tokens=T, pack=pack,
-                results_pack=results_pack).compile()
+                out_pack=results_pack).compile()
         return self._compiled[key]
 
     def _run_round(self, T: int, S: int, inp: SpecInputs) -> RoundOutputs:
-        """Dispatch the compiled round of tier (T, S) on `inp` (host fields packed into one transfer);
-        the caches are donated and replaced."""
+        """Dispatch the compiled round of tier (T, S) on `inp` (host fields packed into one transfer,
+        and the results to read packed into one on the way back); the caches are donated and
+        replaced."""
         fn = self._compiled_spec(T, S)
         pack = self._spec_packs[S]
-        out, self.tcache, self.dcache = fn(*self.state_args, self.tcache, self.dcache, pack.pack(inp),
-                                           pack.device(inp), self.sts_temperatures)
-        return out
+        results, on_device, self.tcache, self.dcache = fn(*self.state_args, self.tcache, self.dcache, pack.pack(inp),
+                                                          pack.device(inp), self.sts_temperatures)
+        return RoundOutputs(results, *on_device)
 
     # -- steps ------------------------------------------------------------------------------
     def _prefill(self, chunks):
@@ -403,8 +385,7 @@ class SpeculativeEngine(Engine):
         """Read a dispatched round (the one host sync per round) and commit its tokens."""
         G, bs = self.gamma, len(rnd.reqs)
         buf, estimate = jax.device_get((rnd.out.results, rnd.out.estimate))
-        results = self._result_packs[rnd.rows].unpack_host(buf)
-        out = SpecOutputs(**results._asdict(), next_anchor=None, next_start=None, estimate=estimate)
+        out = self._result_packs[rnd.rows].unpack_host(buf)._replace(estimate=estimate)
         now = time.perf_counter()
         # The round's cost as the engine sees it: from its dispatch or the previous read, whichever
         # came later, to this read.  Overlapped, that is the period between reads (device time or
