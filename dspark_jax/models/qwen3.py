@@ -32,9 +32,6 @@ from pallas_kernels.kv_write import resolve_backend as resolve_kv_write_backend
 from pallas_kernels.kv_write import write_kv_from_qkv_op
 
 NORM_BACKENDS = KV_WRITE_BACKENDS = GEMV_BACKENDS = BACKENDS
-GEMV_PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a layer's projections, as gemv_projections names them
-
-
 class GemvBackends(NamedTuple):
     """How each of a layer's four projections runs (``project``): "pallas" | "reference" | "auto".
     Per projection so that a decode step can take the GEMV kernel where it wins and XLA's GEMM
@@ -47,12 +44,16 @@ class GemvBackends(NamedTuple):
     down: str = "reference"
 
     @classmethod
-    def of(cls, backend: str, projections=GEMV_PROJECTIONS) -> "GemvBackends":
-        """``backend`` for the named projections, XLA ("reference") for the others."""
-        unknown = set(projections) - set(GEMV_PROJECTIONS)
+    def of(cls, backend: str, projections=None) -> "GemvBackends":
+        """``backend`` for the named projections (default all), XLA ("reference") for the others."""
+        projections = cls._fields if projections is None else projections
+        unknown = set(projections) - set(cls._fields)
         if unknown:
-            raise ValueError(f"gemv_projections must name projections of {GEMV_PROJECTIONS}, got {sorted(unknown)}")
-        return cls(*(backend if name in projections else "reference" for name in GEMV_PROJECTIONS))
+            raise ValueError(f"gemv_projections must name projections of {cls._fields}, got {sorted(unknown)}")
+        return cls(*(backend if name in projections else "reference" for name in cls._fields))
+
+
+GEMV_PROJECTIONS = GemvBackends._fields  # a layer's projections, as gemv_projections names them
 
 
 class LayerStacks(NamedTuple):
