@@ -37,7 +37,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import environment, write_results
@@ -78,19 +77,19 @@ def capture_round(batch_size: int):
     return seen["fn"], seen["args"], eng
 
 
-def time_reads(fields: tuple, calls: int) -> dict[str, float]:
-    """Median seconds of jax.device_get on ready device arrays: ``fields`` as separate arrays,
-    and the same values bitcast and concatenated into one int32 buffer.  Fresh copies every call
-    (a jax.Array keeps its host copy after the first read)."""
-    copy = jax.jit(lambda xs: jax.tree.map(lambda x: x + 0, xs))
-    as_int32 = lambda x: (jax.lax.bitcast_convert_type(x, jnp.int32) if x.dtype == jnp.float32
-                          else x.astype(jnp.int32)).reshape(-1)
-    packed = jax.jit(lambda xs: jnp.concatenate([as_int32(x) for x in xs]))
+def time_reads(packed, layout, calls: int) -> dict[str, float]:
+    """Median seconds of jax.device_get on a ready round's results: the host fields of ``layout``
+    as separate device arrays, and the ``packed`` buffer itself, as the engine reads it.  Fresh
+    arrays every call (a jax.Array keeps its host copy after the first read)."""
+    no_device_fields = (None,) * len(layout.device_fields)
+    separate = jax.jit(lambda b: tuple(getattr(layout.unpack(b, no_device_fields), name)
+                                       for name, *_ in layout.fields))
+    copy = jax.jit(lambda b: b + 0)
     out = {}
-    for name, make in (("separate", copy), ("one buffer", packed)):
+    for name, make in (("separate", separate), ("one buffer", copy)):
         times = []
         for _ in range(calls + 1):
-            fresh = jax.block_until_ready(make(fields))
+            fresh = jax.block_until_ready(make(packed))
             t0 = time.perf_counter()
             jax.device_get(fresh)
             times.append(time.perf_counter() - t0)
@@ -142,12 +141,9 @@ def main(argv=None):
     results = {k: v[0] for k, v in timed.items()}
     ready = {k: v[1] for k, v in timed.items()}
     launches = count_launches(fn.as_text())
-    # the round's seven results as separate device arrays (the engine receives them packed)
     packed_results = jax.block_until_ready(as_sent(on_device)())[0]
     layout = next(p for p in eng._result_packs.values() if p.size == packed_results.size)
-    separate = jax.jit(lambda b: tuple(getattr(layout.unpack(b, (None,) * len(layout.device_fields)), name)
-                                       for name, *_ in layout.fields))
-    reads = time_reads(separate(packed_results), args.calls)
+    reads = time_reads(packed_results, layout, args.calls)
     env = environment()
     payload = {"env": env, "batch_size": args.batch_size, "calls": args.calls, "host_input_arrays": n_host,
                "dispatch_seconds": results,
