@@ -40,8 +40,8 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import (copy_bandwidth, device_us_per_call, environment,  # noqa: E402
                                exit_if_check_failed, write_results)
-from dspark_jax.layers.rotary import rope_cos_sin  # noqa: E402
 from benchmarks.hlo_launches import count_launches  # noqa: E402
+from dspark_jax.layers.rotary import rope_cos_sin  # noqa: E402
 from pallas_kernels.kv_write import write_kv_from_qkv, write_kv_from_qkv_reference  # noqa: E402
 
 EPS = 1e-6

@@ -94,7 +94,6 @@ class HostPack:
             out[name] = piece
         return self.cls(**out)
 
-
     def pack_traced(self, values: NamedTuple) -> jax.Array:
         """Traced ``pack``: the host fields of `values` (device arrays inside a step) as one int32
         buffer, so a step's small results come back in one device-to-host transfer."""
