@@ -109,8 +109,9 @@ def main(argv=None):
     # Compile only the buckets this run uses (unrolled 36-layer decode steps compile slowly).
     from dspark_jax.engine.model_runner import round_up as _ru
 
-    needed = {(b, b, b) for b in {_ru(bs, engine.decode_buckets) for bs in args.batch_sizes}}
-    needed |= {(t, engine.prefill_seqs, engine.prefill_seqs) for t in engine.prefill_buckets
+    P = engine.pages_per_seq  # one context bucket: max_len is short
+    needed = {(b, b, b, P) for b in {_ru(bs, engine.decode_buckets) for bs in args.batch_sizes}}
+    needed |= {(t, engine.prefill_seqs, engine.prefill_seqs, P) for t in engine.prefill_buckets
                if t >= args.prompt_len // 2 and t // 2 < args.prompt_len * max_bs}
     engine.compile_seconds = engine.runner.compile(sorted(needed))
     print(f"{env['device']} jax {env['jax']} copy bandwidth {bw / 1e12:.2f} TB/s; compile {engine.compile_seconds:.1f}s "

@@ -42,8 +42,9 @@ def main():
     model = random_model(cfg)
     eng = Engine(model, None, EngineConfig(max_running_requests=1, max_model_len=512, num_pages=args.num_pages,
                                           attention_backend=args.backend, unroll_decode=not args.scan, precompile=False))
-    eng.runner.compile([(1, 1, 1)])
-    compiled = eng.runner._compiled[(1, 1, 1)]
+    bucket = (1, 1, 1, eng.pages_per_seq)
+    eng.runner.compile([bucket])
+    compiled = eng.runner._compiled[bucket]
     if args.hlo_out:
         Path(args.hlo_out).mkdir(parents=True, exist_ok=True)
         (Path(args.hlo_out) / f"hlo{args.tag}.txt").write_text(compiled.as_text())

@@ -368,15 +368,19 @@ def test_split_rule_hand_cases():
 
 
 def test_lone_sequence_verify_uses_decode_rows():
-    """A single sequence's short verify runs 16-row q tiles (several programs per kv head); two
-    sequences, or a prefill chunk, keep the wider tiles."""
-    cfg = lambda T, S, hq=32, hkv=8: block_config(T, S, 256, 16, hq, hkv, 128, jnp.bfloat16, num_sms=132)
+    """A single sequence's short verify over a page table of at most 8192 tokens runs 16-row q
+    tiles (several programs per kv head); two sequences, a prefill chunk, or a wider table keep
+    the wider tiles."""
+    cfg = lambda T, S, hq=32, hkv=8, P=256: block_config(T, S, P, 16, hq, hkv, 128, jnp.bfloat16, num_sms=132)
     assert (cfg(8, 1).block_q, cfg(8, 1).block_m, cfg(8, 1).block_n) == (4, 16, 128)
     assert cfg(8, 1, 64, 8).block_q == 2  # GQA 8: 2 tokens x 8 heads per tile
     assert cfg(4, 1).block_m == 16  # q_len 4 fits one 16-row tile either way
     assert cfg(16, 2).block_m == 32  # two sequences at q_len 8: the small-batch verify tile
     assert cfg(512, 1).block_m == 64  # a prefill chunk: unchanged
     assert (cfg(8, 1, 8, 8).block_q, cfg(8, 1, 8, 8).block_m) == (16, 16)  # GQA 1: one 16-row tile
+    assert cfg(8, 1, P=512).block_m == 16  # 8192 tokens: still the 16-row tile
+    assert (cfg(8, 1, P=513).block_q, cfg(8, 1, P=513).block_m) == (8, 32)  # past 8192: the 32-row tile
+    assert cfg(8, 1, P=2048).block_m == 32
 
 
 def test_block_shapes_static():

@@ -72,6 +72,14 @@ class EngineConfig:
     # (benchmarks/results/speculative_default_gpu_bs1_*_8042ee7.md).
     unroll_decode: bool | None = None
     dtype: str | None = None  # default: float32 on CPU (bf16 math is slow there), else the checkpoint's
+    # Context buckets of the decode and round executables: a step's page table is as wide as the
+    # smallest bucket that holds its longest request, the buckets doubling from this many tokens
+    # up to max_model_len (0: one bucket, max_model_len).  The attention kernel's launch geometry
+    # (KV splits, the lone sequence's q tile) is a function of static shapes, and the table's
+    # width is the only static bound it has on the live context: with one max_model_len-wide
+    # table a 32k engine would split and tile a 2k context as if it held 32k.  Each bucket is one
+    # more compiled executable per decode batch size / round tier (none below this length).
+    min_context_bucket: int = 8192
     compile_cache_dir: str | None = None
     precompile: bool = True  # False: compile each shape bucket on first use
     overlap: bool = True  # dispatch decode step t+1 (fed on device by step t) before reading step t
@@ -87,6 +95,11 @@ class Engine:
         if ec.max_running_requests < 1 or ec.max_prefill_tokens < 1:
             raise ValueError("max_running_requests and max_prefill_tokens must be >= 1")
         self.pages_per_seq = -(-self.max_model_len // ec.page_size)
+        if ec.min_context_bucket < 0:
+            raise ValueError(f"min_context_bucket must be >= 0, got {ec.min_context_bucket}")
+        # page-table widths of decode steps and rounds, ascending, the last one pages_per_seq
+        self.page_widths = (batch_ladder(self.pages_per_seq, start=max(1, -(-ec.min_context_bucket // ec.page_size)))
+                            if ec.min_context_bucket else [self.pages_per_seq])
         num_pages = ec.num_pages or self._default_num_pages(model)
         self.pool = PagePool(num_pages, ec.page_size)
         cache = allocate_kv_cache(self.config, num_pages, ec.page_size, model.dtype)
@@ -103,7 +116,7 @@ class Engine:
         unroll = ec.unroll_decode if ec.unroll_decode is not None else jax.default_backend() == "gpu"
         self.unroll_decode = bool(unroll)
         self.runner = ModelRunner(
-            model, cache, pages_per_seq=self.pages_per_seq, backend=self.backend,
+            model, cache, backend=self.backend,
             unroll_decode=unroll, lazy=not ec.precompile, norm_backend=self.norm_backend,
             kv_write_backend=self.kv_write_backend, gemv_backend=ec.gemv_backend,
             gemv_projections=tuple(ec.gemv_projections),
@@ -147,10 +160,17 @@ class Engine:
         """KV bytes per token beyond the target's (a drafter's own cache, sharing page ids)."""
         return 0
 
-    def all_buckets(self) -> list[tuple[int, int, int]]:
-        decode = [(b, b, b) for b in self.decode_buckets]
-        prefill = [(t, self.prefill_seqs, self.prefill_seqs) for t in self.prefill_buckets]
+    def all_buckets(self) -> list[tuple[int, int, int, int]]:
+        """(tokens, sequences, logits rows, page-table width) of every step executable: decode at
+        every context bucket, prefill (compute-bound: its grid fills the GPU unsplit) at the full width."""
+        decode = [(b, b, b, p) for b in self.decode_buckets for p in self.page_widths]
+        prefill = [(t, self.prefill_seqs, self.prefill_seqs, self.pages_per_seq) for t in self.prefill_buckets]
         return sorted(set(decode + prefill))
+
+    def page_width(self, tokens: int) -> int:
+        """The page-table width of a decode step or round whose requests touch at most `tokens`
+        positions each: the smallest context bucket that holds them."""
+        return round_up(-(-int(tokens) // self.pool.page_size), self.page_widths)
 
     # -- requests -------------------------------------------------------------------------
     def encode_prompt(self, prompt) -> list[int]:
@@ -285,14 +305,17 @@ class Engine:
         return events
 
     def _round_inputs(self, reqs, S: int):
-        """Host arrays of a speculative round for reqs padded to S rows: live mask, page tables and
-        per-request sampling parameters (temperature, top_k, top_p, seed)."""
-        bs, P = len(reqs), self.pages_per_seq
+        """Host arrays of a speculative round for reqs padded to S rows: live mask, page tables (as
+        wide as the round's context bucket) and per-request sampling parameters (temperature,
+        top_k, top_p, seed)."""
+        bs = len(reqs)
+        # every position a round may touch: up to lookahead past each request's last committed token
+        P = self.page_width(max((r.total_len for r in reqs), default=0) + self.lookahead)
         live = np.zeros(S, bool)
         live[:bs] = True
         table = np.zeros((S, P), np.int32)
         if bs:
-            table[:bs] = [self._page_row(r) for r in reqs]
+            table[:bs] = [self._page_row(r)[:P] for r in reqs]
         temp, top_k, top_p, seed, _ = sampling_arrays([r.params for r in reqs], [r.seed for r in reqs], [0] * bs, S)
         return live, table, temp, top_k, top_p, seed
 
@@ -328,10 +351,9 @@ class Engine:
         in-flight step (one token ahead of what the host has seen)."""
         ahead = 0 if fed_tokens is None else 1
         B = round_up(len(reqs), self.decode_buckets)
-        seqs = [(np.asarray(r.output_ids[-1:]), r.total_len - 1 + ahead, self.pool.pages(r.id)) for r in reqs]
-        batch = build_forward_batch(
-            seqs, page_size=self.pool.page_size, num_tokens=B, num_seqs=B, pages_per_seq=self.pages_per_seq
-        )
+        P = self.page_width(max(r.total_len for r in reqs) + ahead)
+        seqs = [(np.asarray(r.output_ids[-1:]), r.total_len - 1 + ahead, self.pool.pages(r.id)[:P]) for r in reqs]
+        batch = build_forward_batch(seqs, page_size=self.pool.page_size, num_tokens=B, num_seqs=B, pages_per_seq=P)
         if fed_tokens is not None:
             batch = batch._replace(input_ids=fed_tokens)
         positions = [r.total_len + ahead for r in reqs]

@@ -1,9 +1,10 @@
 """ModelRunner: the target's parameters, its KV cache and one compiled executable per shape bucket.
 
-Each bucket (tokens T, sequences S, logits rows R) is lowered and compiled ahead of time at
-start-up with the KV cache donated, the XLA analogue of capturing a CUDA graph per batch size.
-The persistent compilation cache makes restarts cheap.  A step is dispatched by picking the
-smallest bucket that holds the batch, so a small batch really runs a small executable.
+Each bucket (tokens T, sequences S, logits rows R, page-table width P) is lowered and compiled
+ahead of time at start-up with the KV cache donated, the XLA analogue of capturing a CUDA graph
+per batch size.  The persistent compilation cache makes restarts cheap.  A step is dispatched by
+picking the smallest bucket that holds the batch (and the smallest context bucket that holds its
+longest request), so a small batch really runs a small executable.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def _sampling_struct(rows: int):
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3ForCausalLM, cache: KVCache, *, pages_per_seq: int, backend: str,
+    def __init__(self, model: Qwen3ForCausalLM, cache: KVCache, *, backend: str,
                  unroll_decode: bool = False, lazy: bool = False, norm_backend: str = "reference",
                  kv_write_backend: str = "reference", gemv_backend: str = "reference",
                  gemv_projections: tuple[str, ...] = GEMV_PROJECTIONS):
@@ -85,7 +86,6 @@ class ModelRunner:
         (self.state_leaves,), state_defs = flatten_states(self.state)  # dispatched as a flat list
         self.config = model.config
         self.cache = cache
-        self.pages_per_seq = pages_per_seq
         self.backend = backend
         self.unroll_decode = unroll_decode
         self.lazy = lazy
@@ -105,18 +105,19 @@ class ModelRunner:
 
         self._jitted = {True: make_step(True), False: make_step(False)}
 
-    def compile(self, buckets: list[tuple[int, int, int]]) -> float:
-        """Lower and compile every (tokens, seqs, logits rows) bucket; returns seconds spent."""
+    def compile(self, buckets: list[tuple[int, int, int, int]]) -> float:
+        """Lower and compile every (tokens, seqs, logits rows, page-table width) bucket; returns
+        seconds spent."""
         t0 = time.perf_counter()
         abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
         state_s, cache_s = abstract(self.state_leaves), abstract(self.cache)
         for b in buckets:
             if b in self._compiled:
                 continue
-            T, S, R = b
+            T, S, R, P = b
             scan = not (self.unroll_decode and T == S == R)
             self._compiled[b] = self._jitted[scan].lower(
-                state_s, cache_s, shape_struct(T, S, self.pages_per_seq, R), _sampling_struct(R)
+                state_s, cache_s, shape_struct(T, S, P, R), _sampling_struct(R)
             ).compile()
         dt = time.perf_counter() - t0
         log.info("compiled %d step buckets in %.1fs", len(buckets), dt)
@@ -124,7 +125,8 @@ class ModelRunner:
 
     def run(self, batch: ForwardBatch, sampling) -> jax.Array:
         """Dispatch one step; returns the sampled token ids (a device array, not yet read)."""
-        key = (batch.input_ids.shape[0], batch.kv_lens.shape[0], batch.logits_indices.shape[0])
+        S, P = batch.page_table.shape
+        key = (batch.input_ids.shape[0], S, batch.logits_indices.shape[0], P)
         fn = self._compiled.get(key)
         if fn is None and self.lazy:
             self.compile([key])
@@ -135,5 +137,5 @@ class ModelRunner:
         return tokens
 
     @property
-    def compiled_buckets(self) -> list[tuple[int, int, int]]:
+    def compiled_buckets(self) -> list[tuple[int, int, int, int]]:
         return sorted(self._compiled)

@@ -76,7 +76,7 @@ class MTPEngine(Engine):
                 functools.partial(mtp_spec_step, self.target_def, self.drafter_def, page_size=self.pool.page_size,
                                   **self.draft_step_options(prefill=False)), state_defs), index=5)),
             donate_argnums=(2, 3, 4), static_argnames=("num_tokens", "pack", "out_pack"))
-        self._spec_packs: dict[int, HostPack] = {}  # by S: the round inputs' layout
+        self._spec_packs: dict[tuple[int, int], HostPack] = {}  # by (S, P): the round inputs' layout
         self._out_packs: dict[int, HostPack] = {}  # by S: the round results' layout
         self._compiled: dict = {}
         self._slot_of: dict[str, int] = {}
@@ -114,7 +114,8 @@ class MTPEngine(Engine):
         for t in self.prefill_buckets:
             self._compiled_prefill(t, self.prefill_seqs)
         for b in self.decode_buckets:
-            self._compiled_spec(*self._spec_shape(b))
+            for P in self.page_widths:
+                self._compiled_spec(*self._spec_shape(b), P)
         return time.perf_counter() - t0
 
     @staticmethod
@@ -132,14 +133,14 @@ class MTPEngine(Engine):
                 s((T,), np.int32), s((S,), np.int32)).compile()
         return self._compiled[key]
 
-    def _compiled_spec(self, T: int, S: int):
-        key = ("spec", T, S)
+    def _compiled_spec(self, T: int, S: int, P: int):
+        key = ("spec", T, S, P)
         if key not in self._compiled:
             s = jax.ShapeDtypeStruct
             i32 = np.int32
-            inp = MTPInputs(s((S,), i32), s((S,), i32), s((S, self.pages_per_seq), i32), s((S,), np.bool_), s((), i32),
+            inp = MTPInputs(s((S,), i32), s((S,), i32), s((S, P), i32), s((S,), np.bool_), s((), i32),
                             s((S,), i32), s((S,), np.float32), s((S,), i32), s((S,), np.float32), s((S,), np.uint32))
-            pack = self._spec_packs.setdefault(S, HostPack.of(inp))
+            pack = self._spec_packs.setdefault((S, P), HostPack.of(inp))
             out_pack = self._out_packs.setdefault(S, HostPack.of(MTPOutputs(*(s(shape, i32) for shape in (
                 (S, self.num_steps), (S,), (S,), (S,), (S,))))))
             self._compiled[key] = self._spec_jit.lower(
@@ -191,9 +192,10 @@ class MTPEngine(Engine):
         inp = MTPInputs(pad([r.output_ids[-1] for r in reqs], np.int32), pad([r.total_len - 1 for r in reqs], np.int32),
                         table, live, np.int32(bs), pad([self._slot_of[r.id] for r in reqs], np.int32),
                         temp, top_k, top_p, seed)
-        fn = self._compiled_spec(T, S)
+        P = table.shape[1]
+        fn = self._compiled_spec(T, S, P)
         results, _, self.tcache, self.dcache, self.pending = fn(*self.state_args, self.tcache, self.dcache,
-                                                                self.pending, self._spec_packs[S].pack(inp), ())
+                                                                self.pending, self._spec_packs[S, P].pack(inp), ())
         return self._commit(reqs, self._out_packs[S].unpack_host(jax.device_get(results)))  # the one read per round
 
     def _commit(self, reqs, out: MTPOutputs):

@@ -198,7 +198,7 @@ class SpeculativeEngine(Engine):
                                       draft_temperature_scale=float(self.spec.draft_temperature_scale),
                                       **self.draft_step_options(prefill=False)), state_defs), index=4)),
                 donate_argnums=(2, 3), static_argnames=("num_tokens", "pack", "out_pack"))
-        self._spec_packs: dict[int, HostPack] = {}  # by S: the round inputs' layout
+        self._spec_packs: dict[tuple[int, int], HostPack] = {}  # by (S, P): the round inputs' layout
         self._result_packs: dict[int, HostPack] = {}  # by S: the round results' layout
         self._compiled: dict = {}
         self._num_probes = self.estimator.max_pending if self.estimator is not None else 0
@@ -263,7 +263,8 @@ class SpeculativeEngine(Engine):
         for t in self.prefill_buckets:
             self._compiled_prefill((t, self.prefill_seqs, self.prefill_seqs))
         for T, S in self._spec_shapes():
-            self._compiled_spec(T, S)
+            for P in self.page_widths:
+                self._compiled_spec(T, S, P)
         return time.perf_counter() - t0
 
     def _abstract(self, tree):
@@ -278,16 +279,16 @@ class SpeculativeEngine(Engine):
                 shape_struct(T, S, self.pages_per_seq, R), samp).compile()
         return self._compiled[key]
 
-    def _compiled_spec(self, T: int, S: int):
-        key = ("spec", self.spec.mode, T, S)
+    def _compiled_spec(self, T: int, S: int, P: int):
+        key = ("spec", self.spec.mode, T, S, P)
         if key not in self._compiled:
             s = jax.ShapeDtypeStruct
             i32 = np.int32
             R = self.ec.max_running_requests
-            inp = SpecInputs(s((S,), i32), s((S,), i32), s((S, self.pages_per_seq), i32), s((S,), np.bool_), s((), i32),
+            inp = SpecInputs(s((S,), i32), s((S,), i32), s((S, P), i32), s((S,), np.bool_), s((), i32),
                              s((), i32), s((S,), np.float32), s((S,), i32), s((S,), np.float32), s((S,), np.uint32),
                              s((R,), i32), s((R,), i32), s((S,), i32), s((S, self.gamma + 1, self._num_probes), i32))
-            pack = self._spec_packs.setdefault(S, HostPack.of(inp, device_fields=SPEC_DEVICE_FIELDS))
+            pack = self._spec_packs.setdefault((S, P), HostPack.of(inp, device_fields=SPEC_DEVICE_FIELDS))
             G, f32 = self.gamma, np.float32  # confidences travel as float32 (bf16 on the GPU: exact)
             results = SpecOutputs(s((S, G), i32), s((S,), i32), s((S,), i32), s((S,), i32), s((S,), i32),
                                   s((S, G), f32), s((S, G), f32), None, None, None)
@@ -302,8 +303,9 @@ class SpeculativeEngine(Engine):
         """Dispatch the compiled round of tier (T, S) on `inp` (host fields packed into one transfer,
         and the results to read packed into one on the way back); the caches are donated and
         replaced."""
-        fn = self._compiled_spec(T, S)
-        pack = self._spec_packs[S]
+        P = inp.page_table.shape[1]
+        fn = self._compiled_spec(T, S, P)
+        pack = self._spec_packs[S, P]
         results, on_device, self.tcache, self.dcache = fn(*self.state_args, self.tcache, self.dcache, pack.pack(inp),
                                                           pack.device(inp), self.sts_temperatures)
         return RoundOutputs(results, *on_device)
@@ -374,7 +376,7 @@ class SpeculativeEngine(Engine):
             probes[:bs] = self.estimator.probe_tokens([r.id for r in reqs], start[:bs], G + 1)
         inp = SpecInputs(anchor, start, table, live, np.int32(bs), np.int32(K), temp, top_k, top_p, seed, *fed,
                          fed_index, probes)
-        self._compiled_spec(T, S)  # compiled before the clock starts (precompile off)
+        self._compiled_spec(T, S, table.shape[1])  # compiled before the clock starts (precompile off)
         t0 = time.perf_counter()
         out = self._run_round(T, S, inp)
         for x in jax.tree.leaves((out.results, out.estimate)):  # what _read needs; the fed arrays stay on device

@@ -153,6 +153,7 @@ def _num_sms() -> int:
 
 SMALL_BATCH_SEQS = 8  # verify tiles for at most this many sequences use the small-batch knobs
 SINGLE_SEQ_SPLIT_Q_TOKENS = 8  # a lone sequence's verify of up to this many tokens runs 16-row q tiles
+SINGLE_SEQ_SPLIT_MAX_CONTEXT = 8192  # ... when its page table covers at most this many tokens
 
 
 def block_config(
@@ -198,7 +199,12 @@ def block_config(
       decode at context 2k / 4k / 8k with 32-row tiles and 1.01 / 1.10 / 0.99x with 16-row ones in
       the same run; at batch 4 the 16-row tiles lost at 4k / 8k (1.34 / 1.27x against 1.04 /
       1.12x: twice the programs, more than one wave, so the second K/V read misses L2)
-      (benchmarks/results/ragged_paged_attention_h200_ratio_bq4_bb12896.md).  (A lead for
+      (benchmarks/results/ragged_paged_attention_h200_ratio_bq4_bb12896.md).  Only while the
+      page table covers at most SINGLE_SEQ_SPLIT_MAX_CONTEXT tokens: from 16k the 32-row tile
+      wins, 1.13-1.15 / 1.05-1.14x decode at 16k / 32k against 1.32-1.37 / 1.34-1.37x in two
+      runs (benchmarks/results/ragged_paged_attention_h200_ratio_s1_9cab8e4.md).  The table's
+      width is the bound on the live context: the engines size it per step (context buckets,
+      engine.EngineConfig.min_context_bucket), not once for max_model_len.  (A lead for
       why, from compiling the kernel with stock Triton 3.6 for sm_90a on a CPU machine: at
       8 warps / 2 stages the 32-row tile with the int64 offsets of a > 4 GiB pool needs 144
       registers per thread, room for one 256-thread program per SM.)
@@ -238,7 +244,7 @@ def block_config(
         block_q = _next_pow2(avg_q)
         block_q = min(block_q, max(1, max_block_m // gp))
         block_q = max(block_q, max(1, 16 // gp))
-        if S == 1 and T <= SINGLE_SEQ_SPLIT_Q_TOKENS:
+        if S == 1 and T <= SINGLE_SEQ_SPLIT_Q_TOKENS and P * page_size <= SINGLE_SEQ_SPLIT_MAX_CONTEXT:
             # One sequence verifying a short window: 16-row q tiles, so its rows run as several
             # decode-shaped programs side by side (each reads the same K/V, from L2 the second time).
             block_q = min(block_q, max(1, 16 // gp))
