@@ -367,20 +367,29 @@ def test_split_rule_hand_cases():
             assert 1 <= n <= 32 and (n == 1 or n * 512 <= ctx), (b, ctx, n)
 
 
-def test_lone_sequence_verify_uses_decode_rows():
-    """A single sequence's short verify over a page table of at most 8192 tokens runs 16-row q
-    tiles (several programs per kv head); two sequences, a prefill chunk, or a wider table keep
-    the wider tiles."""
+def test_short_verify_over_little_kv_uses_decode_rows():
+    """Verify windows of <= 8 tokens a sequence over page tables covering <= 32 MiB of K/V (8192
+    tokens at the 8B shape: 8 kv heads x 128 x bf16) run 16-row q tiles (several programs per kv
+    head); more K/V, longer windows or a prefill chunk keep the wider tiles."""
     cfg = lambda T, S, hq=32, hkv=8, P=256: block_config(T, S, P, 16, hq, hkv, 128, jnp.bfloat16, num_sms=132)
     assert (cfg(8, 1).block_q, cfg(8, 1).block_m, cfg(8, 1).block_n) == (4, 16, 128)
     assert cfg(8, 1, 64, 8).block_q == 2  # GQA 8: 2 tokens x 8 heads per tile
     assert cfg(4, 1).block_m == 16  # q_len 4 fits one 16-row tile either way
-    assert cfg(16, 2).block_m == 32  # two sequences at q_len 8: the small-batch verify tile
-    assert cfg(512, 1).block_m == 64  # a prefill chunk: unchanged
     assert (cfg(8, 1, 8, 8).block_q, cfg(8, 1, 8, 8).block_m) == (16, 16)  # GQA 1: one 16-row tile
-    assert cfg(8, 1, P=512).block_m == 16  # 8192 tokens: still the 16-row tile
-    assert (cfg(8, 1, P=513).block_q, cfg(8, 1, P=513).block_m) == (8, 32)  # past 8192: the 32-row tile
+    assert cfg(512, 1).block_m == 64  # a prefill chunk: unchanged
+    # one sequence: 8192 tokens (512 pages) is the bound
+    assert cfg(8, 1, P=512).block_m == 16
+    assert (cfg(8, 1, P=513).block_q, cfg(8, 1, P=513).block_m) == (8, 32)
     assert cfg(8, 1, P=2048).block_m == 32
+    # several sequences: the bound is on all their tables together
+    assert cfg(32, 4, P=128).block_m == 16  # 4 x 2048 tokens
+    assert cfg(32, 4, P=256).block_m == 32  # 4 x 4096 tokens: the small-batch verify tile
+    assert cfg(16, 2, P=256).block_m == 16 and cfg(16, 2, P=512).block_m == 32
+    assert cfg(128, 16, P=32).block_m == 16 and cfg(128, 16, P=64).block_m == 32
+    assert cfg(64, 4, P=64).block_m == 64  # 16-token windows: not a short verify
+    # the bound is in bytes: half the kv heads (or fp16 -> fp32 doubled) moves it
+    assert cfg(8, 1, hq=16, hkv=4, P=1024).block_m == 16
+    assert block_config(8, 1, 512, 16, 32, 8, 128, jnp.float32, num_sms=132).block_m == 32
 
 
 def test_block_shapes_static():

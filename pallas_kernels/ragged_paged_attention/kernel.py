@@ -152,8 +152,8 @@ def _num_sms() -> int:
 
 
 SMALL_BATCH_SEQS = 8  # verify tiles for at most this many sequences use the small-batch knobs
-SINGLE_SEQ_SPLIT_Q_TOKENS = 8  # a lone sequence's verify of up to this many tokens runs 16-row q tiles
-SINGLE_SEQ_SPLIT_MAX_CONTEXT = 8192  # ... when its page table covers at most this many tokens
+SPLIT_Q_MAX_TOKENS = 8  # verify windows of up to this many tokens a sequence run 16-row q tiles ...
+SPLIT_Q_MAX_KV_BYTES = 32 << 20  # ... when the K/V their page tables can cover fits in half the L2
 
 
 def block_config(
@@ -193,18 +193,21 @@ def block_config(
       (benchmarks/results/ragged_paged_attention_h200_ratio.md): the former default (8 warps,
       2 stages) cost up to 1.63x decode at q_len 8; 4 warps / 3 stages at most 1.21x at batch 16
       but 1.36x at batch 4; carried page ids with 64-token tiles at most 1.31x at batch <= 4 and
-      1.30x at batch 16.  Each rule here takes the better arm for its batch range.  A lone
-      sequence (S == 1) verifying up to SINGLE_SEQ_SPLIT_Q_TOKENS tokens instead runs 16-row
-      q tiles (block_q 4 at GQA 4, the decode tile): at batch 1, q_len 8 cost 1.53 / 1.47 / 1.23x
-      decode at context 2k / 4k / 8k with 32-row tiles and 1.01 / 1.10 / 0.99x with 16-row ones in
-      the same run; at batch 4 the 16-row tiles lost at 4k / 8k (1.34 / 1.27x against 1.04 /
-      1.12x: twice the programs, more than one wave, so the second K/V read misses L2)
-      (benchmarks/results/ragged_paged_attention_h200_ratio_bq4_bb12896.md).  Only while the
-      page table covers at most SINGLE_SEQ_SPLIT_MAX_CONTEXT tokens: from 16k the 32-row tile
-      wins, 1.13-1.15 / 1.05-1.14x decode at 16k / 32k against 1.32-1.37 / 1.34-1.37x in two
-      runs (benchmarks/results/ragged_paged_attention_h200_ratio_s1_9cab8e4.md).  The table's
-      width is the bound on the live context: the engines size it per step (context buckets,
-      engine.EngineConfig.min_context_bucket), not once for max_model_len.  (A lead for
+      1.30x at batch 16.  Each rule here takes the better arm for its batch range.  Verify
+      windows of up to SPLIT_Q_MAX_TOKENS tokens a sequence instead run 16-row q tiles (block_q 4
+      at GQA 4, the decode tile: each sequence's rows as several decode-shaped programs side by
+      side, each reading the same K/V, from L2 the second time) while the K/V the step's page
+      tables can cover is at most SPLIT_Q_MAX_KV_BYTES, half the H200's 60 MB L2 (8192 tokens
+      at the 8B shape).  At batch 1, q_len 8 cost 1.53 / 1.47 / 1.23x decode at 2k / 4k / 8k
+      with 32-row tiles and 1.01 / 1.10 / 0.99x with 16-row ones in the same run; at batch 4
+      the 16-row tiles won at 512 / 2k (0.96 / 1.14x against 1.20 / 1.19x) and lost at 4k / 8k
+      (1.34 / 1.27x against 1.04 / 1.12x: twice the programs, more than one wave, so the second
+      K/V read misses L2) (benchmarks/results/ragged_paged_attention_h200_ratio_bq4_bb12896.md;
+      at batch 4 and 2k again 0.96 against 1.24x in ..._ratio_ctxrule_47cac85.md).  Past the
+      bound the 32-row tile wins: at batch 1 1.05-1.15 / 1.05-1.14x decode at 16k / 32k against
+      1.20-1.37 / 1.34-1.37x in three runs (..._ratio_s1_9cab8e4.md, ..._ratio_ctxrule_47cac85.md).
+      The tables' width is the bound on the live context: the engines size it per step (context
+      buckets, engine.EngineConfig.min_context_bucket), not once for max_model_len.  (A lead for
       why, from compiling the kernel with stock Triton 3.6 for sm_90a on a CPU machine: at
       8 warps / 2 stages the 32-row tile with the int64 offsets of a > 4 GiB pool needs 144
       registers per thread, room for one 256-thread program per SM.)
@@ -244,9 +247,8 @@ def block_config(
         block_q = _next_pow2(avg_q)
         block_q = min(block_q, max(1, max_block_m // gp))
         block_q = max(block_q, max(1, 16 // gp))
-        if S == 1 and T <= SINGLE_SEQ_SPLIT_Q_TOKENS and P * page_size <= SINGLE_SEQ_SPLIT_MAX_CONTEXT:
-            # One sequence verifying a short window: 16-row q tiles, so its rows run as several
-            # decode-shaped programs side by side (each reads the same K/V, from L2 the second time).
+        kv_bytes = S * P * page_size * 2 * num_kv_heads * head_dim * itemsize
+        if T <= SPLIT_Q_MAX_TOKENS * S and kv_bytes <= SPLIT_Q_MAX_KV_BYTES:
             block_q = min(block_q, max(1, 16 // gp))
     if not _is_pow2(block_q):
         raise ValueError(f"block_q must be a power of two, got {block_q}")
