@@ -55,3 +55,27 @@ def test_cell_groups_single_prompts_at_batch_one_and_waves_above():
     assert cell_groups(prompts, 2, 3) == [["p0", "p1"]]
     assert cell_groups(prompts, 3, 3, waves=2) == [prompts[:6]]
     assert cell_groups(prompts, 4, 3, waves=5) == [prompts]  # the workload has fewer: all of them
+
+
+def test_report_pairs_each_arm_with_static_pass_by_pass(tmp_path):
+    import argparse
+    import json
+
+    from benchmarks.bench_speculative import report
+
+    def row(arm, walls):
+        return {"arm": arm, "workload": "math", "batch": 64, "requests": 2, "tokens": 100, "tok_s": 100 / np.median(walls),
+                "wall_s": float(np.median(walls)), "wall_s_passes": walls, "outputs": [[1, 2], [3]]}
+
+    # pass 2 ran slow for both arms: the medians of separate passes would pair 1.0 s with 1.1 s
+    rows = [row("none", [2.0, 4.0, 2.0]), row("static", [1.0, 2.0, 1.1]), row("compact", [0.8, 2.5, 1.0])]
+    args = argparse.Namespace(max_new_tokens=8, split="heldout", single_prompts=1, waves=1, repeats=3, dtype=None,
+                              matmul_precision=None, execution="default", tag="", out_dir=[str(tmp_path)])
+    env = {"device": "cpu", "jax": "x", "date": "d", "commit": "c", "platform": "cpu"}
+    report(args, env, rows)
+    got = {r["arm"]: r for r in json.loads(next(tmp_path.glob("*.json")).read_text())["rows"]}
+    assert got["compact"]["paired_speedup_vs_static"] == pytest.approx([1.0 / 0.8, 2.0 / 2.5, 1.1 / 1.0])
+    assert "paired_speedup_vs_static" not in got["static"] and got["none"]["paired_speedup_vs_static"] == \
+        pytest.approx([0.5, 0.5, 0.55])
+    md = next(tmp_path.glob("*.md")).read_text()
+    assert "| math | 64 | 2 | compact | " in md and "1.10 [0.80, 1.25]" in md
