@@ -10,6 +10,7 @@ benchmarks/bench_ragged_paged_attention.py --check compiles and checks on the H2
 
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
 
@@ -395,7 +396,8 @@ def test_short_verify_over_little_kv_uses_decode_rows():
 def test_block_shapes_static():
     """Every block shape on the GPU path is a power of two and every dot tile is >= 16."""
     seen = 0
-    for T, S in [(1, 1), (7, 3), (32, 32), (256, 32), (300, 8), (2048, 256), (4096, 4)]:
+    for (T, S), P in itertools.product([(1, 1), (7, 3), (8, 1), (32, 4), (32, 32), (256, 32), (300, 8), (2048, 256),
+                                        (4096, 4)], (64, 2048)):  # short and long page tables (the q tile rule)
         for hq, hkv in [(4, 4), (8, 2), (32, 8), (16, 2), (12, 4), (64, 2)]:
             for d in (64, 128):
                 for dtype in (jnp.bfloat16, jnp.float32):
@@ -405,7 +407,7 @@ def test_block_shapes_static():
                                    "addressing": "flat", "prologue": "vector",
                                    "page_lookup": "carry"},
                                   {"block_q": 4, "page_lookup": "carry"}):
-                        cfg = block_config(T, S, 64, 16, hq, hkv, d, dtype, **knobs)
+                        cfg = block_config(T, S, P, 16, hq, hkv, d, dtype, **knobs)
                         for name, shape in cfg.tile_shapes().items():
                             assert all(_pow2(x) for x in shape), (name, shape, cfg)
                         for name, mnk in cfg.dot_shapes().items():
