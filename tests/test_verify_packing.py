@@ -28,6 +28,20 @@ def test_device_topk_matches_host_scheduler(seed):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_device_topk_with_padding_rows_matches_host_on_the_live_ones(seed):
+    """A batch-64 round's shape: live requests interleaved with padding slots, many ties."""
+    rng = np.random.default_rng(100 + seed)
+    S, g = 64, 7
+    live = rng.random(S) < 0.7
+    surv = np.cumprod(np.round(rng.random((S, g)) * 8) / 8, axis=1).astype(np.float32)
+    for K in [0, 5, int(live.sum()) * 3, int(live.sum()) * g, S * g]:
+        want = ConfidenceScheduler(g, None).verify_lens(surv[live], K)
+        got = np.asarray(topk_verify_lens(jnp.asarray(surv), jnp.int32(K), jnp.asarray(live)))
+        np.testing.assert_array_equal(got[live], want)
+        assert (got[~live] == 0).all()
+
+
 def test_padding_requests_take_no_budget():
     surv = jnp.ones((4, G))
     got = np.asarray(topk_verify_lens(surv, jnp.int32(3), jnp.array([True, False, True, False])))

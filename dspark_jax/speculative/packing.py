@@ -23,14 +23,18 @@ def topk_verify_lens(survival: jax.Array, budget: jax.Array, live: jax.Array) ->
     """Verify length per request (anchor included) from the global top-`budget` survivals.
 
     survival [S, gamma] (cumulative, non-increasing per row), budget [] int32, live [S] bool.
-    Ranking: value descending, then position, then request: a stable sort of the position-major
-    flattening, so equal values keep (position, request) order and each selection is a prefix.
+    Ranking: value descending, then position, then request: each candidate's rank in the
+    position-major flattening counts the candidates above it (larger, or equal and earlier), so
+    equal values keep (position, request) order and each selection is a prefix.  The rank is one
+    [N, N] compare-and-sum (N = S * gamma, one fused kernel) rather than an argsort plus a
+    scatter: the round executable is bound by kernel launches on the GPU.
     Padding rows (not live) get length 0 and never take budget."""
     S, G = survival.shape
     vals = jnp.where(live[:, None], survival.astype(jnp.float32), -1.0)
     flat = vals.T.reshape(-1)  # index j * S + r
-    order = jnp.argsort(-flat, stable=True)
-    rank = jnp.zeros(S * G, jnp.int32).at[order].set(jnp.arange(S * G, dtype=jnp.int32))
+    idx = jnp.arange(S * G, dtype=jnp.int32)
+    above = (flat[None, :] > flat[:, None]) | ((flat[None, :] == flat[:, None]) & (idx[None, :] < idx[:, None]))
+    rank = above.sum(axis=1, dtype=jnp.int32)
     chosen = (rank < budget) & (flat >= 0)
     count = chosen.reshape(G, S).sum(0).astype(jnp.int32)
     return jnp.where(live, 1 + count, 0)
