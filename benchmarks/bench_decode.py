@@ -61,11 +61,11 @@ def report(args, env, bw, cfg_shape, wbytes, kv_tok, engine, rows):
                    new_tokens=args.new_tokens, attention_backend=engine.backend, norm_backend=engine.norm_backend,
                    kv_write_backend=engine.kv_write_backend, gemv_backend=engine.gemv_backend,
                    gemv_projections=list(engine.ec.gemv_projections),
-                   unroll_decode=not args.scan_layers,
+                   sampling_variants=engine.ec.sampling_variants, unroll_decode=not args.scan_layers,
                    compile_seconds=engine.compile_seconds, rows=rows)
     md = [f"# Decode benchmark: {args.shape}, random bf16 weights\n",
           f"{env['device']}, jax {env['jax']}, {env['date']}, commit {env['commit']}; attention {engine.backend}, norm {engine.norm_backend}, kv write {engine.kv_write_backend}, gemv {engine.gemv_backend} ({'+'.join(engine.ec.gemv_projections)}), "
-          f"decode layers {'scanned' if args.scan_layers else 'unrolled'}; measured copy bandwidth {bw / 1e12:.2f} TB/s; prompt {args.prompt_len}, "
+          f"sampling {'host-chosen variants' if engine.ec.sampling_variants else 'device-side cond'}, decode layers {'scanned' if args.scan_layers else 'unrolled'}; measured copy bandwidth {bw / 1e12:.2f} TB/s; prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens. Floor = (weights {wbytes / 1e9:.2f} GB + KV read) / bandwidth.\n",
           f"The last column takes the floor at the H200's reference copy bandwidth ({REFERENCE_BW / 1e12:.2f} TB/s, "
           "../shared/reference/jax_platform.md) instead of this run's measurement; e2e / device = end-to-end "
@@ -134,8 +134,8 @@ def main(argv=None):
                                     pages_per_seq=engine.pages_per_seq)
         batch = jax.device_put(batch)
         samp = jax.device_put(sampling_arrays([params] * bs, [0] * bs, [ctx] * bs, B))
-        step = time_chain(lambda: engine.runner.run(batch, samp), 20)
-        step_sync = time_fn(lambda: engine.runner.run(batch, samp).block_until_ready(), warmup=3, iters=30)
+        step = time_chain(lambda: engine.runner.run(batch, samp, greedy=True), 20)
+        step_sync = time_fn(lambda: engine.runner.run(batch, samp, greedy=True).block_until_ready(), warmup=3, iters=30)
         floor = (wbytes + bs * (ctx + 1) * kv_tok) / bw
         rows.append(dict(batch=bs, per_user_tok_s=per_user, aggregate_tok_s=per_user * bs,
                          e2e_wall_tok_s=engine.last_generate_stats["tokens_per_s"], step_ms=step * 1e3,

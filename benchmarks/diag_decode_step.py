@@ -44,7 +44,7 @@ def main():
                                           attention_backend=args.backend, unroll_decode=not args.scan, precompile=False))
     bucket = (1, 1, 1, eng.pages_per_seq)
     eng.runner.compile([bucket])
-    compiled = eng.runner._compiled[bucket]
+    compiled = eng.runner._compiled[bucket, eng.runner.variants(bucket)[0]]
     if args.hlo_out:
         Path(args.hlo_out).mkdir(parents=True, exist_ok=True)
         (Path(args.hlo_out) / f"hlo{args.tag}.txt").write_text(compiled.as_text())
@@ -52,11 +52,11 @@ def main():
     batch = jax.device_put(build_forward_batch([(np.array([5]), ctx, list(range(1, 15)))], page_size=16,
                                                num_tokens=1, num_seqs=1, pages_per_seq=eng.pages_per_seq))
     samp = jax.device_put(sampling_arrays([SamplingParams()], [0], [ctx], 1))
-    t = time_fn(lambda: eng.runner.run(batch, samp).block_until_ready(), warmup=5, iters=50)
+    t = time_fn(lambda: eng.runner.run(batch, samp, greedy=True).block_until_ready(), warmup=5, iters=50)
     if args.profile:
         with jax.profiler.trace(args.profile, create_perfetto_trace=True):
             for _ in range(10):
-                eng.runner.run(batch, samp).block_until_ready()
+                eng.runner.run(batch, samp, greedy=True).block_until_ready()
     floor = weight_bytes_read(cfg) / bw
     cache_gb = 2 * eng.runner.cache.k.nbytes / 1e9
     print(f"RESULT{args.tag} layers={args.layers} scan={args.scan} pages={args.num_pages} cache={cache_gb:.2f}GB "

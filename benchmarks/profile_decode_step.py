@@ -97,12 +97,12 @@ def main(argv=None):
     params = SamplingParams(max_new_tokens=1)
     samp = jax.device_put(sampling_arrays([params] * bs, [0] * bs, [ctx] * bs, B))
     for _ in range(3):
-        engine.runner.run(batch, samp).block_until_ready()
+        engine.runner.run(batch, samp, greedy=True).block_until_ready()
     trace_dir = tempfile.mkdtemp(prefix="decode-trace-")
     with jax.profiler.trace(trace_dir):
         out = None
         for _ in range(args.steps):
-            out = engine.runner.run(batch, samp)
+            out = engine.runner.run(batch, samp, greedy=True)
         out.block_until_ready()
     summary = summarize(device_kernel_events(trace_dir), args.steps, args.top, args.sequence)
     floor_us = weight_bytes_read(cfg) / bw * 1e6

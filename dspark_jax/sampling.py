@@ -86,9 +86,28 @@ def _filtered_logits(logits, temperature, top_k, top_p):
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
-def sample(logits, temperature, top_k, top_p, seed, position):
-    """logits [R, V] fp32 -> token ids [R] int32.  Rows with temperature 0 take the argmax."""
+SAMPLING_VARIANTS = ("any", "greedy", "stochastic")
+
+
+def sample(logits, temperature, top_k, top_p, seed, position, *, variant: str = "any"):
+    """logits [R, V] fp32 -> token ids [R] int32.  Rows with temperature 0 take the argmax.
+
+    ``variant`` says which rows a compiled step is built for:
+
+    * "any": the sort / top-p work runs only when some row samples, chosen on device by
+      ``lax.cond``.  On the GPU, XLA's conditional copies its predicate to the host and waits
+      for the device to reach it, a host sync inside the step;
+    * "greedy": every row has temperature 0: the argmax alone, no sort;
+    * "stochastic": no conditional: the sampling path for every row (rows with temperature 0
+      still take the argmax), the same tokens as "any".
+
+    An engine that knows its batch on the host (EngineConfig.sampling_variants) runs "greedy" or
+    "stochastic" executables and never blocks inside a step."""
+    if variant not in SAMPLING_VARIANTS:
+        raise ValueError(f"variant must be one of {SAMPLING_VARIANTS}, got {variant!r}")
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if variant == "greedy":
+        return greedy
 
     def stochastic(_):
         filt = _filtered_logits(logits, temperature, top_k, top_p)
@@ -96,5 +115,6 @@ def sample(logits, temperature, top_k, top_p, seed, position):
         drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, filt).astype(jnp.int32)
         return jnp.where(temperature > 0, drawn, greedy)
 
-    # The sort/top-p work only runs when some row samples: greedy batches skip it on device.
+    if variant == "stochastic":
+        return stochastic(None)
     return jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda _: greedy, None)

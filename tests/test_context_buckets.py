@@ -67,9 +67,9 @@ def test_plain_decode_runs_narrow_tables_and_commits_the_same_tokens(model_dir, 
     expected = [r.token_ids for r in wide.generate(prompts, params)]
     widths, run = [], eng.runner.run
 
-    def recording(batch, sampling):
+    def recording(batch, sampling, **kw):
         widths.append(batch.page_table.shape[1])
-        return run(batch, sampling)
+        return run(batch, sampling, **kw)
 
     eng.runner.run = recording
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):

@@ -147,6 +147,33 @@ def test_no_compilation_after_startup(tiny_engine, caplog):
     assert not compiles, compiles
 
 
+def test_host_chosen_sampling_variants_give_identical_tokens(hf_model_dir, tiny_engine, caplog):
+    """sampling_variants: decode buckets compiled for greedy and for sampling batches, picked on
+    the host per step, commit exactly the tokens of the device-side choice, greedy batches run
+    the greedy executable, and nothing compiles after start-up."""
+    eng = Engine.from_pretrained(hf_model_dir, EngineConfig(max_running_requests=4, max_prefill_tokens=64,
+                                                            max_model_len=256, sampling_variants=True))
+    decode = [(b, b, b, p) for b in eng.decode_buckets for p in eng.page_widths]
+    assert all((d, v) in eng.runner._compiled for d in decode for v in ("greedy", "stochastic"))
+    prompts = _prompts(eng, 6, seed=22)
+    mixed = [GREEDY, SamplingParams(max_new_tokens=9, temperature=0.9, top_k=20, top_p=0.9, seed=4)] * 3
+    eng.generate(prompts[:2], GREEDY)  # warm host paths
+    seen, dispatch = [], eng.runner.run
+
+    def recording(batch, sampling, *, greedy=False):
+        seen.append(greedy)
+        return dispatch(batch, sampling, greedy=greedy)
+
+    eng.runner.run = recording
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        got = [r.token_ids for r in eng.generate(prompts, mixed)] + [r.token_ids for r in eng.generate(prompts, GREEDY)]
+    assert not [r.message for r in caplog.records if "Compiling" in r.message]
+    want = [r.token_ids for r in tiny_engine.generate(prompts, mixed)] + \
+        [r.token_ids for r in tiny_engine.generate(prompts, GREEDY)]
+    assert got == want
+    assert True in seen and False in seen  # both variants served steps
+
+
 def test_results_carry_timing_stats(tiny_engine):
     r = tiny_engine.generate(_prompts(tiny_engine, 1, seed=4), GREEDY)[0]
     s = r.stats
@@ -252,6 +279,8 @@ def test_benchmark_backend_flags_build_the_engine_config():
     kw = backend_kwargs(ap.parse_args([]))
     defaults = EngineConfig()
     assert kw == {k: getattr(defaults, k) for k in kw}
-    kw = backend_kwargs(ap.parse_args(["--gemv-backend", "pallas", "--gemv-projections", "qkv,gate_up"]))
+    kw = backend_kwargs(ap.parse_args(["--gemv-backend", "pallas", "--gemv-projections", "qkv,gate_up",
+                                       "--sampling-variants", "1"]))
     assert kw["gemv_backend"] == "pallas" and kw["gemv_projections"] == ("qkv", "gate_up")
+    assert kw["sampling_variants"] is True
     EngineConfig(**kw)  # every key is a field

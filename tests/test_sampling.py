@@ -69,3 +69,29 @@ def test_greedy_rows_take_argmax_even_in_mixed_batch():
                              jnp.arange(4, dtype=jnp.uint32), jnp.zeros(4, jnp.int32)))
     am = np.asarray(logits).argmax(-1)
     assert toks[0] == am[0] and toks[2] == am[2]
+
+
+def test_host_chosen_variants_match_the_device_choice():
+    """"stochastic" (no conditional) draws exactly the tokens of "any" in a mixed batch, "greedy"
+    is the argmax; only "any" compiles a conditional and "greedy" compiles no sort."""
+    import jax
+
+    rng = np.random.default_rng(3)
+    R, V = 6, 50
+    logits = jnp.asarray(rng.normal(size=(R, V)) * 3, jnp.float32)
+    temp = jnp.asarray([0.0, 0.7, 1.0, 0.0, 1.3, 0.5], jnp.float32)
+    top_k = jnp.asarray([0, 5, 0, 3, 0, 10], jnp.int32)
+    top_p = jnp.asarray([1.0, 1.0, 0.8, 1.0, 0.5, 0.9], jnp.float32)
+    seed = jnp.arange(R, dtype=jnp.uint32) + 11
+    pos = jnp.arange(R, dtype=jnp.int32) * 7
+    args = (logits, temp, top_k, top_p, seed, pos)
+    np.testing.assert_array_equal(sample(*args, variant="stochastic"), sample(*args, variant="any"))
+    greedy_args = (logits, jnp.zeros(R), top_k, top_p, seed, pos)
+    np.testing.assert_array_equal(sample(*greedy_args, variant="greedy"), np.argmax(np.asarray(logits), -1))
+    np.testing.assert_array_equal(sample(*greedy_args, variant="stochastic"), sample(*greedy_args, variant="greedy"))
+    hlo = {v: jax.jit(lambda *a, v=v: sample(*a, variant=v)).lower(*args).as_text() for v in ("any", "greedy", "stochastic")}
+    assert "conditional" in hlo["any"] or "case" in hlo["any"]
+    assert "conditional" not in hlo["stochastic"] and "case" not in hlo["stochastic"]
+    assert "sort" not in hlo["greedy"] and "sort" in hlo["stochastic"]
+    with pytest.raises(ValueError, match="variant"):
+        sample(*args, variant="topk")

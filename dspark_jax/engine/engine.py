@@ -80,6 +80,13 @@ class EngineConfig:
     # table a 32k engine would split and tile a 2k context as if it held 32k.  Each bucket is one
     # more compiled executable per decode batch size / round tier (none below this length).
     min_context_bucket: int = 8192
+    # Compile each decode bucket twice, for all-greedy batches (argmax only, no sort) and for
+    # batches that sample, the host picking per step, instead of once with a device-side choice
+    # (sampling.sample's lax.cond).  On the GPU XLA's conditional copies its predicate to the host
+    # and waits for the device to reach it, so the host blocks inside every decode step and the
+    # overlap of step t+1's dispatch with step t cannot hide the host's work.  Off until measured:
+    # twice the decode executables to compile at start-up.
+    sampling_variants: bool = False
     compile_cache_dir: str | None = None
     precompile: bool = True  # False: compile each shape bucket on first use
     overlap: bool = True  # dispatch decode step t+1 (fed on device by step t) before reading step t
@@ -119,7 +126,7 @@ class Engine:
             model, cache, backend=self.backend,
             unroll_decode=unroll, lazy=not ec.precompile, norm_backend=self.norm_backend,
             kv_write_backend=self.kv_write_backend, gemv_backend=ec.gemv_backend,
-            gemv_projections=tuple(ec.gemv_projections),
+            gemv_projections=tuple(ec.gemv_projections), sampling_variants=ec.sampling_variants,
         )
         self.prefill_seqs = min(ec.max_prefill_seqs, ec.max_running_requests)
         self.decode_buckets = batch_ladder(ec.max_running_requests)
@@ -358,7 +365,7 @@ class Engine:
             batch = batch._replace(input_ids=fed_tokens)
         positions = [r.total_len + ahead for r in reqs]
         sampling = sampling_arrays([r.params for r in reqs], [r.seed for r in reqs], positions, B)
-        tokens = self.runner.run(batch, sampling)
+        tokens = self.runner.run(batch, sampling, greedy=not sampling[0].any())
         tokens.copy_to_host_async()
         return reqs, tokens
 

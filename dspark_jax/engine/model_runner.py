@@ -23,7 +23,7 @@ from dspark_jax.engine.flat_state import flatten_states, with_flat_states
 from dspark_jax.forward_batch import ForwardBatch, shape_struct
 from dspark_jax.kv_cache import KVCache
 from dspark_jax.models.qwen3 import GEMV_PROJECTIONS, Qwen3ForCausalLM
-from dspark_jax.sampling import sample
+from dspark_jax.sampling import SAMPLING_VARIANTS, sample
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class ModelRunner:
     def __init__(self, model: Qwen3ForCausalLM, cache: KVCache, *, backend: str,
                  unroll_decode: bool = False, lazy: bool = False, norm_backend: str = "reference",
                  kv_write_backend: str = "reference", gemv_backend: str = "reference",
-                 gemv_projections: tuple[str, ...] = GEMV_PROJECTIONS):
+                 gemv_projections: tuple[str, ...] = GEMV_PROJECTIONS, sampling_variants: bool = False):
         """unroll_decode: compile decode buckets (tokens == seqs) with the layer loop unrolled.
 
         Under ``lax.scan`` XLA:GPU materialises each layer's weight slice before its GEMM (a
@@ -81,7 +81,10 @@ class ModelRunner:
         norm_backend: how residual add + RMSNorm run (models/qwen3.py ``add_rms_norm``);
         kv_write_backend: how k is normed and rotated and K/V written (``Qwen3Attention``);
         gemv_backend: how the projections named in gemv_projections run (models/qwen3.py
-        ``project``)."""
+        ``project``).
+        sampling_variants: compile decode buckets twice, for all-greedy batches and for batches
+        that sample (sampling.sample's "greedy" / "stochastic"), instead of once with a device-side
+        ``lax.cond`` ("any"), which on the GPU blocks the host inside every step."""
         self.graphdef, self.state = nnx.split(model)
         (self.state_leaves,), state_defs = flatten_states(self.state)  # dispatched as a flat list
         self.config = model.config
@@ -89,21 +92,29 @@ class ModelRunner:
         self.backend = backend
         self.unroll_decode = unroll_decode
         self.lazy = lazy
-        self._compiled: dict[tuple[int, int, int], jax.stages.Compiled] = {}
+        self.sampling_variants = sampling_variants
+        # by (bucket, sampling variant)
+        self._compiled: dict[tuple[tuple[int, int, int, int], str], jax.stages.Compiled] = {}
         graphdef = self.graphdef
 
-        def make_step(scan_layers: bool):
+        def make_step(scan_layers: bool, variant: str):
             def step(state, cache, batch: ForwardBatch, sampling):
                 model = nnx.merge(graphdef, state)
                 out = model(cache, batch, backend=backend, scan_layers=scan_layers, norm_backend=norm_backend,
                             kv_write_backend=kv_write_backend, gemv_backend=gemv_backend,
                             gemv_projections=gemv_projections)
-                return sample(out.logits, *sampling), out.cache
+                return sample(out.logits, *sampling, variant=variant), out.cache
 
             # Positional donation: the cache buffers are reused in place, never copied.
             return jax.jit(with_flat_states(step, state_defs), donate_argnums=(1,))
 
-        self._jitted = {True: make_step(True), False: make_step(False)}
+        self._jitted = {(scan, v): make_step(scan, v) for scan in (True, False) for v in SAMPLING_VARIANTS}
+
+    def variants(self, bucket: tuple[int, int, int, int]) -> tuple[str, ...]:
+        """The sampling variants compiled for a bucket: both host-chosen ones for decode
+        buckets (tokens == seqs == logits rows) with sampling_variants, else the device-chosen one."""
+        T, S, R, _ = bucket
+        return ("greedy", "stochastic") if self.sampling_variants and T == S == R else ("any",)
 
     def compile(self, buckets: list[tuple[int, int, int, int]]) -> float:
         """Lower and compile every (tokens, seqs, logits rows, page-table width) bucket; returns
@@ -112,30 +123,34 @@ class ModelRunner:
         abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
         state_s, cache_s = abstract(self.state_leaves), abstract(self.cache)
         for b in buckets:
-            if b in self._compiled:
-                continue
             T, S, R, P = b
             scan = not (self.unroll_decode and T == S == R)
-            self._compiled[b] = self._jitted[scan].lower(
-                state_s, cache_s, shape_struct(T, S, P, R), _sampling_struct(R)
-            ).compile()
+            for v in self.variants(b):
+                if (b, v) not in self._compiled:
+                    self._compiled[b, v] = self._jitted[scan, v].lower(
+                        state_s, cache_s, shape_struct(T, S, P, R), _sampling_struct(R)
+                    ).compile()
         dt = time.perf_counter() - t0
         log.info("compiled %d step buckets in %.1fs", len(buckets), dt)
         return dt
 
-    def run(self, batch: ForwardBatch, sampling) -> jax.Array:
-        """Dispatch one step; returns the sampled token ids (a device array, not yet read)."""
+    def run(self, batch: ForwardBatch, sampling, *, greedy: bool = False) -> jax.Array:
+        """Dispatch one step; returns the sampled token ids (a device array, not yet read).
+        greedy: every row has temperature 0 (the caller knows; picks the greedy variant where
+        one is compiled)."""
         S, P = batch.page_table.shape
         key = (batch.input_ids.shape[0], S, batch.logits_indices.shape[0], P)
-        fn = self._compiled.get(key)
+        variants = self.variants(key)
+        variant = variants[0] if len(variants) == 1 else ("greedy" if greedy else "stochastic")
+        fn = self._compiled.get((key, variant))
         if fn is None and self.lazy:
             self.compile([key])
-            fn = self._compiled[key]
+            fn = self._compiled[key, variant]
         if fn is None:
-            raise KeyError(f"no compiled executable for bucket {key}; compiled: {sorted(self._compiled)}")
+            raise KeyError(f"no compiled executable for bucket {key}; compiled: {self.compiled_buckets}")
         tokens, self.cache = fn(self.state_leaves, self.cache, batch, sampling)
         return tokens
 
     @property
     def compiled_buckets(self) -> list[tuple[int, int, int, int]]:
-        return sorted(self._compiled)
+        return sorted({b for b, _ in self._compiled})
