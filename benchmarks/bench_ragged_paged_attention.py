@@ -557,12 +557,14 @@ RATIO_ARMS = {
     "bq4": (
         {}, {"block_q": 4, "num_warps": 4, "num_stages": 3, "page_lookup": "inline", "block_n": 128},
         "verify split into 16-row (4-token) q blocks with the decode tile; K/V read twice"),
-    # A lone sequence's verify (S == 1, q_len <= 8) runs 16-row q tiles by default since 13cadbb;
+    # A lone sequence's verify (S == 1, q_len <= 8) ran 16-row q tiles at any context from 13cadbb
+    # until 47cac85 bounded the rule by the page table's span (fd45e86: short windows over <= 32 MiB
+    # of K/V, kernel.block_config); before that,
     # at batch 1 and 16k / 32k it still cost 1.33 / 1.46x decode (4 waves of one-per-SM programs
     # against decode's 2).  64-token K/V tiles take half the shared memory: two programs per SM.
     "bm32_s1": (
         {}, {"block_q": 8},
-        "the previous lone-sequence verify tile: 32 rows (8 tokens x 4 heads), small-batch knobs"),
+        "32-row q tiles (8 tokens x 4 heads) at every context, small-batch knobs"),
     "bq4_bn64": (
         {}, {"block_q": 4, "block_n": 64, "num_warps": 4, "num_stages": 3, "page_lookup": "inline"},
         "16-row q tiles with 64-token K/V tiles (two resident programs per SM)"),

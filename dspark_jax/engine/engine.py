@@ -75,7 +75,7 @@ class EngineConfig:
     # Context buckets of the decode and round executables: a step's page table is as wide as the
     # smallest bucket that holds its longest request, the buckets doubling from this many tokens
     # up to max_model_len (0: one bucket, max_model_len).  The attention kernel's launch geometry
-    # (KV splits, the lone sequence's q tile) is a function of static shapes, and the table's
+    # (KV splits, the short verify's q tile) is a function of static shapes, and the table's
     # width is the only static bound it has on the live context: with one max_model_len-wide
     # table a 32k engine would split and tile a 2k context as if it held 32k.  Each bucket is one
     # more compiled executable per decode batch size / round tier (none below this length).
