@@ -62,8 +62,8 @@ def capture_round(batch_size: int):
     seen = {}
     compiled = eng._compiled_spec
 
-    def recording(T, S, P):
-        fn = compiled(T, S, P)
+    def recording(T, S, P, greedy=False):
+        fn = compiled(T, S, P, greedy)
 
         def call(*args):
             seen["fn"], seen["args"] = fn, args

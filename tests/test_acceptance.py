@@ -50,12 +50,19 @@ def test_greedy_rows_agree_whether_or_not_the_batch_samples():
                          jax.random.split(jax.random.PRNGKey(0), S))
     greedy = verify(*args(np.zeros(S)))
     mixed = verify(*args(np.r_[np.zeros(S - 1), 1.0]))
+    fast = verify(*args(np.zeros(S)), greedy=True)  # the greedy-only variant (no sampling work)
+    cap = jnp.asarray(rng.integers(1, G + 2, S), jnp.int32)
+    for kw in ({}, {"commit_cap": cap}):
+        full, only = verify(*args(np.zeros(S)), **kw), verify(*args(np.zeros(S)), greedy=True, **kw)
+        for x, y in zip(full, only):
+            np.testing.assert_array_equal(x, y)
     for r in range(S):
         a = 0
         while a < lens[r] - 1 and drafts[r, a] == am[r, a]:
             a += 1
         want = (a, am[r, a], a)
         assert (int(greedy.num_accepted[r]), int(greedy.bonus[r]), int(greedy.block_accept[r])) == want
+        assert (int(fast.num_accepted[r]), int(fast.bonus[r]), int(fast.block_accept[r])) == want
         if r < S - 1:
             assert (int(mixed.num_accepted[r]), int(mixed.bonus[r]), int(mixed.block_accept[r])) == want
 

@@ -88,9 +88,9 @@ def test_dspark_rounds_run_narrow_tables_and_stay_lossless(model_dir, mode):
                             SpeculativeConfig(mode=mode, cost_table=TABLE if mode == "compact" else None))
     widths, run_round = [], eng._run_round
 
-    def recording(T, S, inp):
+    def recording(T, S, inp, *args):
         widths.append(inp.page_table.shape[1])
-        return run_round(T, S, inp)
+        return run_round(T, S, inp, *args)
 
     eng._run_round = recording
     prompts, params = _workload(300, seed=1)

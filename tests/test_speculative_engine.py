@@ -98,6 +98,32 @@ def test_greedy_speculation_equals_plain_greedy(pair, plain, mode, table):
         assert summ["step_time"]["predicted_mean_s"] > 0
 
 
+@pytest.mark.parametrize("mode", ["static", "compact"])
+def test_greedy_round_variant_commits_the_same_tokens(pair, plain, mode):
+    """sampling_variants: all-greedy batches run the greedy round (no sampling work) and commit
+    plain greedy's tokens; batches that sample run the full round and commit what an engine
+    without variants commits for the same seeds."""
+    target, tok, drafter = pair
+    spec = lambda: SpeculativeConfig(mode=mode, cost_table=TABLE if mode == "compact" else None)
+    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC, sampling_variants=True, precompile=False), spec())
+    ref = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC, precompile=False), spec())
+    seen, run_round = [], eng._run_round
+
+    def recording(T, S, inp, greedy=False):
+        seen.append(greedy)
+        return run_round(T, S, inp, greedy)
+
+    eng._run_round = recording
+    prompts = _prompts(target.config.vocab_size, 6, seed=31)
+    greedy = [r.token_ids for r in eng.generate(prompts, GREEDY)]
+    assert greedy == [r.token_ids for r in plain.generate(prompts, GREEDY)]
+    assert seen and all(seen)
+    mixed = [GREEDY, SamplingParams(max_new_tokens=24, temperature=0.8, top_k=50, seed=7, ignore_eos=True)] * 3
+    seen.clear()
+    assert [r.token_ids for r in eng.generate(prompts, mixed)] == [r.token_ids for r in ref.generate(prompts, mixed)]
+    assert False in seen
+
+
 def test_default_tiers_include_finer_tiers_than_the_ladder(pair):
     """A trimmed 64-request batch must drop to a smaller executable than verify-all even when its
     budget stays above half the block: the default adds tiers every 64 tokens at this size."""

@@ -84,8 +84,10 @@ class EngineConfig:
     # batches that sample, the host picking per step, instead of once with a device-side choice
     # (sampling.sample's lax.cond).  On the GPU XLA's conditional copies its predicate to the host
     # and waits for the device to reach it, so the host blocks inside every decode step and the
-    # overlap of step t+1's dispatch with step t cannot hide the host's work.  Off until measured:
-    # twice the decode executables to compile at start-up.
+    # overlap of step t+1's dispatch with step t cannot hide the host's work.  The DSpark engine
+    # likewise compiles a greedy round per tier (no draft sampling, no filtered target
+    # distribution: its rounds otherwise sort the vocabulary of every verified row, greedy or
+    # not).  Off until measured: twice the executables to compile at start-up.
     sampling_variants: bool = False
     compile_cache_dir: str | None = None
     precompile: bool = True  # False: compile each shape bucket on first use

@@ -190,14 +190,19 @@ class SpeculativeEngine(Engine):
                                                **self.draft_step_options(prefill=True)),
                              state_defs), donate_argnums=(2, 3))
         # A round takes its host inputs as one packed buffer (engine/host_pack.py: one transfer).
+        # With EngineConfig.sampling_variants every tier also gets a greedy round (no sampling work),
+        # dispatched when every request in the batch is greedy.
         self._spec_jit = {}
         for mode in MODES:
-            self._spec_jit[mode] = jax.jit(
-                with_packed_outputs(with_packed_inputs(with_flat_states(
-                    functools.partial(spec_step, self.target_def, self.drafter_def, mode=mode, page_size=ps,
-                                      draft_temperature_scale=float(self.spec.draft_temperature_scale),
-                                      **self.draft_step_options(prefill=False)), state_defs), index=4)),
-                donate_argnums=(2, 3), static_argnames=("num_tokens", "pack", "out_pack"))
+            for greedy in (False, True):
+                self._spec_jit[mode, greedy] = jax.jit(
+                    with_packed_outputs(with_packed_inputs(with_flat_states(
+                        functools.partial(spec_step, self.target_def, self.drafter_def, mode=mode, page_size=ps,
+                                          draft_temperature_scale=float(self.spec.draft_temperature_scale),
+                                          greedy=greedy, **self.draft_step_options(prefill=False)),
+                        state_defs), index=4)),
+                    donate_argnums=(2, 3), static_argnames=("num_tokens", "pack", "out_pack"))
+        self._round_variants = (False, True) if self.ec.sampling_variants else (False,)
         self._spec_packs: dict[tuple[int, int], HostPack] = {}  # by (S, P): the round inputs' layout
         self._result_packs: dict[int, HostPack] = {}  # by S: the round results' layout
         self._compiled: dict = {}
@@ -264,7 +269,8 @@ class SpeculativeEngine(Engine):
             self._compiled_prefill((t, self.prefill_seqs, self.prefill_seqs))
         for T, S in self._spec_shapes():
             for P in self.page_widths:
-                self._compiled_spec(T, S, P)
+                for greedy in self._round_variants:
+                    self._compiled_spec(T, S, P, greedy)
         return time.perf_counter() - t0
 
     def _abstract(self, tree):
@@ -279,8 +285,8 @@ class SpeculativeEngine(Engine):
                 shape_struct(T, S, self.pages_per_seq, R), samp).compile()
         return self._compiled[key]
 
-    def _compiled_spec(self, T: int, S: int, P: int):
-        key = ("spec", self.spec.mode, T, S, P)
+    def _compiled_spec(self, T: int, S: int, P: int, greedy: bool = False):
+        key = ("spec", self.spec.mode, T, S, P, greedy)
         if key not in self._compiled:
             s = jax.ShapeDtypeStruct
             i32 = np.int32
@@ -293,18 +299,18 @@ class SpeculativeEngine(Engine):
             results = SpecOutputs(s((S, G), i32), s((S,), i32), s((S,), i32), s((S,), i32), s((S,), i32),
                                   s((S, G), f32), s((S, G), f32), None, None, None)
             results_pack = self._result_packs.setdefault(S, HostPack.of(results, ROUND_DEVICE_FIELDS))
-            self._compiled[key] = self._spec_jit[self.spec.mode].lower(
+            self._compiled[key] = self._spec_jit[self.spec.mode, greedy].lower(
                 *self.state_args, self._abstract(self.tcache), self._abstract(self.dcache), pack.spec(),
                 pack.device(inp), self._abstract(self.sts_temperatures), num_tokens=T, pack=pack,
                 out_pack=results_pack).compile()
         return self._compiled[key]
 
-    def _run_round(self, T: int, S: int, inp: SpecInputs) -> RoundOutputs:
+    def _run_round(self, T: int, S: int, inp: SpecInputs, greedy: bool = False) -> RoundOutputs:
         """Dispatch the compiled round of tier (T, S) on `inp` (host fields packed into one transfer,
         and the results to read packed into one on the way back); the caches are donated and
         replaced."""
         P = inp.page_table.shape[1]
-        fn = self._compiled_spec(T, S, P)
+        fn = self._compiled_spec(T, S, P, greedy)
         pack = self._spec_packs[S, P]
         results, on_device, self.tcache, self.dcache = fn(*self.state_args, self.tcache, self.dcache, pack.pack(inp),
                                                           pack.device(inp), self.sts_temperatures)
@@ -376,9 +382,10 @@ class SpeculativeEngine(Engine):
             probes[:bs] = self.estimator.probe_tokens([r.id for r in reqs], start[:bs], G + 1)
         inp = SpecInputs(anchor, start, table, live, np.int32(bs), np.int32(K), temp, top_k, top_p, seed, *fed,
                          fed_index, probes)
-        self._compiled_spec(T, S, table.shape[1])  # compiled before the clock starts (precompile off)
+        greedy = self.ec.sampling_variants and not temp[:bs].any()  # the greedy round variant
+        self._compiled_spec(T, S, table.shape[1], greedy)  # compiled before the clock starts (precompile off)
         t0 = time.perf_counter()
-        out = self._run_round(T, S, inp)
+        out = self._run_round(T, S, inp, greedy)
         for x in jax.tree.leaves((out.results, out.estimate)):  # what _read needs; the fed arrays stay on device
             x.copy_to_host_async()
         return _Round(reqs, out, S, slots, generations, step, K, T, predicted, t0, prev is not None)

@@ -46,6 +46,7 @@ def verify(
     *,
     commit_cap: jax.Array | None = None,
     draft_temperature: jax.Array | None = None,
+    greedy: bool = False,
 ) -> Acceptance:
     """target_logits [S, W, V] (row i after verify input i; rows >= verify_lens are ignored),
     draft_tokens [S, gamma], draft_logits [S, gamma, V] (corrected, untempered), verify_lens [S]
@@ -54,9 +55,24 @@ def verify(
     commit_cap [S] (cap-accept mode): judge all verify_lens rows but commit at most
     commit_cap - 1 drafts; block_accept then reports what full verification accepted.
     draft_temperature [S]: the temperature the drafts were sampled at (default: the target's),
-    which q must use for the accept ratio and the residual to stay exact."""
+    which q must use for the accept ratio and the residual to stay exact.
+    greedy (static): every row has temperature 0, so the exact-match rule alone, without the
+    filtered target distribution (a sort over the vocabulary per row), q or random draws."""
     S, W, V = target_logits.shape
     G = draft_tokens.shape[1]
+    verified = jnp.arange(G)[None, :] < (verify_lens - 1)[:, None]
+    greedy_ok = draft_tokens == jnp.argmax(target_logits[:, :G], axis=-1)
+
+    def accepted(ok):
+        block_accept = jnp.cumprod((ok & verified).astype(jnp.int32), axis=1).sum(1).astype(jnp.int32)
+        return block_accept, (block_accept if commit_cap is None else jnp.minimum(block_accept, commit_cap - 1))
+
+    def greedy_bonus(a):
+        return jnp.argmax(jnp.take_along_axis(target_logits, a[:, None, None], axis=1)[:, 0], -1).astype(jnp.int32)
+
+    if greedy:
+        block_accept, a = accepted(greedy_ok)
+        return Acceptance(a.astype(jnp.int32), greedy_bonus(a), block_accept)
     greedy_row = temperature <= 0
     # Target distribution per row, with the request's filters (flatten rows for the filter).
     rep = lambda x: jnp.repeat(x, W)
@@ -72,12 +88,7 @@ def verify(
     px = jnp.take_along_axis(p_prev, draft_tokens[..., None], -1)[..., 0]
     qx = jnp.take_along_axis(q, draft_tokens[..., None], -1)[..., 0]
     sampled_ok = u < jnp.minimum(1.0, px / jnp.maximum(qx, 1e-8))
-    greedy_ok = draft_tokens == jnp.argmax(target_logits[:, :G], axis=-1)
-    ok = jnp.where(greedy_row[:, None], greedy_ok, sampled_ok)
-    verified = jnp.arange(G)[None, :] < (verify_lens - 1)[:, None]
-    run = jnp.cumprod((ok & verified).astype(jnp.int32), axis=1)
-    block_accept = run.sum(1).astype(jnp.int32)
-    a = block_accept if commit_cap is None else jnp.minimum(block_accept, commit_cap - 1)
+    block_accept, a = accepted(jnp.where(greedy_row[:, None], greedy_ok, sampled_ok))
 
     # Bonus: residual after a rejection at draft a+1, else the target row a.
     p_a = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]
@@ -88,6 +99,5 @@ def verify(
     use_residual = (rejected & ~greedy_row)[:, None] & (mass > 1e-8)
     dist = jnp.where(use_residual, residual / jnp.maximum(mass, 1e-30), p_a)
     drawn = jax.vmap(lambda k, d: jax.random.categorical(k, jnp.log(d)))(k_bonus, dist).astype(jnp.int32)
-    greedy_bonus = jnp.argmax(jnp.take_along_axis(target_logits, a[:, None, None], axis=1)[:, 0], -1).astype(jnp.int32)
-    bonus = jnp.where(greedy_row, greedy_bonus, drawn)
+    bonus = jnp.where(greedy_row, greedy_bonus(a), drawn)
     return Acceptance(a.astype(jnp.int32), bonus, block_accept)

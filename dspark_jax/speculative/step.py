@@ -132,10 +132,12 @@ def estimator_log_probs(draft_logits, drafts, target_logits, verify_lens, probes
 
 def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCache, dcache: KVCache,
               inp: SpecInputs, sts_temperatures, *, mode: str, num_tokens: int, page_size: int, backend: str,
-              target_options: tuple = (), unroll: bool = False, draft_temperature_scale: float = 1.0):
+              target_options: tuple = (), unroll: bool = False, draft_temperature_scale: float = 1.0,
+              greedy: bool = False):
     """draft_temperature_scale c: drafts are sampled at c x the request's temperature (q then
     uses the same in the accept ratio, so the output distribution stays the target's; greedy
-    rows are unaffected)."""
+    rows are unaffected).  greedy (static): every live request has temperature 0; drafting and
+    acceptance skip their sampling work (the vocabulary sort of every verified row above all)."""
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state)
     cfg = drafter.config
@@ -149,7 +151,7 @@ def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCa
     blk = block_batch(inp, G, cfg.mask_token_id, page_size)
     h, base, dcache = drafter.draft_block(target, dcache, blk, backend=backend, unroll=unroll)
     bs = sample_block(drafter, h.reshape(S, G, -1), base.reshape(S, G, -1), inp.anchor, draft_temperature,
-                      _keys(inp.seed, inp.start, 1), unroll=unroll)
+                      _keys(inp.seed, inp.start, 1), unroll=unroll, greedy=greedy)
     survival = jnp.cumprod(jax.nn.sigmoid(bs.confidence / sts_temperatures[None, :]), axis=1)
 
     # 2. Windows: static verifies everything; compact / cap-accept take the top-K.
@@ -166,7 +168,7 @@ def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCa
     # 4. Accept.
     acc = verify(logits, bs.tokens, bs.logits, jnp.maximum(verify_lens, 1), inp.temperature, inp.top_k, inp.top_p,
                  _keys(inp.seed, inp.start, 2), commit_cap=window if mode == "cap-accept" else None,
-                 draft_temperature=draft_temperature)
+                 draft_temperature=draft_temperature, greedy=greedy)
 
     # 5. Rows anchor..a of each request become draft context (their target hidden states).
     req, within, valid = packed_rows(verify_lens, num_tokens)
