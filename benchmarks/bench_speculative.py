@@ -163,7 +163,7 @@ def report(args, env, rows: list[dict]) -> None:
           "x static paired = median over passes of the arm's tok/s over static's in the same pass "
           "[lowest, highest].\n",
           f"Engines in {args.dtype or 'the checkpoint dtype'}, matmul precision {args.matmul_precision or 'default'}, "
-          f"execution {args.execution}.\n",
+          f"execution {args.execution}, sampling variants {'on' if args.sampling_variants else 'off'}.\n",
           "| workload | batch | requests | arm | tok/s | x none | x static paired | accept | window | "
           "step pred (table) / meas ms | same tokens |",
           "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -207,6 +207,10 @@ def main(argv=None):
                     help="scanned-xla: every layer / drafting loop as an XLA while loop and XLA's norms and K/V "
                          "write (the engines before 2026-12-01), to compare with the defaults (unrolled loops "
                          "and the fused kernels on the GPU)")
+    ap.add_argument("--sampling-variants", type=int, choices=(0, 1), default=0,
+                    help="1: greedy / sampling executables chosen on the host (EngineConfig.sampling_variants): "
+                         "the plain engine's decode steps and DSpark's rounds skip the sampling work when all "
+                         "requests are greedy (the MTP arm's rounds are unchanged)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out-dir", action="append", default=[])
     args = ap.parse_args(argv)
@@ -236,7 +240,7 @@ def main(argv=None):
             by_workload.setdefault(p["workload"], []).append(p["prompt"])
     ec = EngineConfig(max_running_requests=max(args.batch_sizes),
                       max_model_len=args.max_prompt_tokens + args.max_new_tokens + 32, dtype=args.dtype,
-                      precompile=not args.lazy_compile,
+                      precompile=not args.lazy_compile, sampling_variants=bool(args.sampling_variants),
                       **(dict(unroll_decode=False, norm_backend="reference", kv_write_backend="reference")
                          if args.execution == "scanned-xla" else {}))
     engines, setup = {}, {}
