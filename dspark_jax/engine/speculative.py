@@ -202,7 +202,6 @@ class SpeculativeEngine(Engine):
                                           greedy=greedy, **self.draft_step_options(prefill=False)),
                         state_defs), index=4)),
                     donate_argnums=(2, 3), static_argnames=("num_tokens", "pack", "out_pack"))
-        self._round_variants = (False, True) if self.ec.sampling_variants else (False,)
         self._spec_packs: dict[tuple[int, int], HostPack] = {}  # by (S, P): the round inputs' layout
         self._result_packs: dict[int, HostPack] = {}  # by S: the round results' layout
         self._compiled: dict = {}
@@ -269,7 +268,7 @@ class SpeculativeEngine(Engine):
             self._compiled_prefill((t, self.prefill_seqs, self.prefill_seqs))
         for T, S in self._spec_shapes():
             for P in self.page_widths:
-                for greedy in self._round_variants:
+                for greedy in ((False, True) if self.ec.sampling_variants else (False,)):
                     self._compiled_spec(T, S, P, greedy)
         return time.perf_counter() - t0
 
