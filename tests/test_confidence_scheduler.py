@@ -248,7 +248,7 @@ def test_level_correction_shifts_the_argmax_towards_verify_all():
     sched = ConfidenceScheduler(GAMMA, table, correction_weight=0.5)
     for measured in (4e-3, 6e-3, 6e-3, 6e-3, 6e-3, 6e-3):  # rounds at batch 8 read by the engine
         sched.record_step_time(rows, raw.budget, measured)
-    c = sched.correction.offset(rows)
+    c = sched.corrections[True].offset(rows)
     target = 6e-3 - table.predict(rows, raw.budget)  # what the table misses at this budget
     assert 0.7 * target < c <= target + 1e-12
     got = sched.decide_budget(s, fresh)
@@ -257,7 +257,27 @@ def test_level_correction_shifts_the_argmax_towards_verify_all():
     # Off (the default of the scheduler itself): recording is a no-op.
     off = ConfidenceScheduler(GAMMA, table)
     off.record_step_time(rows, raw.budget, 1.0)
-    assert off.correction is None and off.decide_budget(s, fresh).budget == raw.budget
+    assert off.corrections is None and off.decide_budget(s, fresh).budget == raw.budget
+
+
+def test_level_correction_is_learned_per_regime():
+    """Overlapped rounds (host work hidden behind the device) and synchronous ones (dispatch,
+    device and read in series) cost different amounts: each regime learns its own level, and a
+    budget is predicted with the level of the regime it will run in."""
+    table = AdditiveCostTable(5e-4, [1.0, 16.0], [0.0, 1e-4], [0.0, 64.0], [0.0, 1e-3])
+    rows, budget = 8, 20
+    sched = ConfidenceScheduler(GAMMA, table, correction_weight=1.0)  # weight 1: the last round
+    base = table.predict(rows, budget)  # ~1 ms; residuals within it are not clipped
+    sched.record_step_time(rows, budget, base + 0.5e-3, overlapped=True)
+    assert sched.corrections[True].offset(rows) == pytest.approx(0.5e-3)
+    assert sched.corrections[False].offset(rows) == 0.0  # nothing synchronous seen yet
+    sched.record_step_time(rows, budget, base + 0.8e-3, overlapped=False)
+    assert sched.corrections[True].offset(rows) == pytest.approx(0.5e-3)
+    s = np.tile([0.9, 0.8, 0.6, 0.3, 0.1, 0.05, 0.02], (rows, 1))
+    fresh = np.zeros(rows, bool)
+    for overlapped, offset in ((True, 0.5e-3), (False, 0.8e-3)):
+        got = sched.decide_budget(s, fresh, overlapped=overlapped)
+        assert got.predicted_step_seconds == pytest.approx(table.predict(rows, got.budget) + offset)
 
 
 # -- the lag ring ---------------------------------------------------------------------------

@@ -109,9 +109,9 @@ def test_greedy_round_variant_commits_the_same_tokens(pair, plain, mode):
     ref = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC, precompile=False), spec())
     seen, run_round = [], eng._run_round
 
-    def recording(T, S, inp, greedy=False):
+    def recording(T, S, inp, greedy=False, mode=None):
         seen.append(greedy)
-        return run_round(T, S, inp, greedy)
+        return run_round(T, S, inp, greedy, mode)
 
     eng._run_round = recording
     prompts = _prompts(target.config.vocab_size, 6, seed=31)
@@ -184,19 +184,26 @@ def test_forced_budget_verifies_exactly_that_many_drafts(pair, plain):
     target, tok, drafter = pair
     G = drafter.config.block_size
     eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC), SpeculativeConfig(mode="compact"))
+    modes = []  # the executable each round ran: a full budget runs static's (no top-K)
+    run_round = eng._run_round
+    eng._run_round = lambda T, S, inp, greedy=False, mode=None: modes.append(mode) or run_round(T, S, inp, greedy, mode)
     prompts = _prompts(target.config.vocab_size, 3, seed=8)
     rounds_before = 0
     for K in (0, 5, 3 * G + 7):
         eng.spec.forced_budget = K
         eng.stats["round_log"].clear()
+        modes.clear()
         got = eng.generate(prompts, GREEDY)
         assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(prompts, GREEDY)]
         log = list(eng.stats["round_log"])
         assert len(log) == eng.stats["rounds"] - rounds_before
         rounds_before = eng.stats["rounds"]
-        for bs, k, tier, verified, seconds in log:
+        assert len(modes) == len(log)
+        for (bs, k, tier, verified, seconds), mode in zip(log, modes):
             assert k == min(K, bs * G) and verified == bs + k and seconds > 0
             assert tier == eng.tiers.tier_for(bs, k)
+            assert mode == ("static" if k == bs * G else "compact")
+    assert {key[1] for key in eng._compiled if key[0] == "spec"} == {"static", "compact"}
 
 
 def test_level_correction_learns_from_every_read_round_and_stays_lossless(pair, plain):
@@ -210,18 +217,21 @@ def test_level_correction_learns_from_every_read_round_and_stays_lossless(pair, 
     prompts = _prompts(target.config.vocab_size, 5, seed=11)
     got = eng.generate(prompts, GREEDY)
     assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(prompts, GREEDY)]
-    replay = StepTimeCorrection(TABLE.bs_probes, 0.3)
-    for bs, k, _tier, _verified, seconds in eng.stats["round_log"]:
-        replay.update(bs, TABLE.predict(bs, k), seconds)
-    learned = eng.scheduler_conf.correction
-    assert learned.rounds.tolist() == replay.rounds.tolist() and learned.rounds.sum() == eng.stats["rounds"]
-    np.testing.assert_allclose(learned.residual, replay.residual, rtol=1e-12)
+    # per predicted round: the tokens it committed and whether it ran overlapped
+    ctx = np.asarray(eng.stats["round_context"])
+    assert len(ctx) == len(eng.stats["round_log"])  # every round here has a prediction
+    replay = {regime: StepTimeCorrection(TABLE.bs_probes, 0.3) for regime in (True, False)}
+    for (bs, k, _tier, _verified, seconds), overlapped in zip(eng.stats["round_log"], ctx[:, 1]):
+        replay[bool(overlapped)].update(bs, TABLE.predict(bs, k), seconds)
+    for regime in (True, False):  # one level per regime: overlapped and synchronous rounds
+        learned = eng.scheduler_conf.corrections[regime]
+        assert learned.rounds.tolist() == replay[regime].rounds.tolist()
+        np.testing.assert_allclose(learned.residual, replay[regime].residual, rtol=1e-12)
+    assert sum(c.rounds.sum() for c in eng.scheduler_conf.corrections.values()) == eng.stats["rounds"]
     pred, table = np.asarray(eng.stats["predicted_step_s"]), np.asarray(eng.stats["table_step_s"])
     assert pred[0] == table[0] and np.any(pred != table)  # no offset before the first read round
     summ = eng.summary()["step_time"]
     assert summ["table_mean_s"] == pytest.approx(table.mean())
-    # per predicted round: the tokens it committed and whether it ran overlapped
-    ctx = np.asarray(eng.stats["round_context"])
     assert len(ctx) == len(pred) and ctx[:, 0].sum() == sum(len(g.token_ids) for g in got) - len(got)
     assert not ctx[0, 1] and ctx[:, 1].any()  # the first round had nothing in flight; later ones did
     # ... and its batch size and budget, as the round log has them

@@ -176,6 +176,8 @@ class SpeculativeEngine(Engine):
         top = max(self.decode_buckets) * (G + 1)
         step = self.spec.tier_step if self.spec.tier_step is not None else max(64, -(-top // 8 // 64) * 64)
         self.tiers = TokenTiers(G, self.decode_buckets, tier_step=step or None)
+        # the tiers of verify-all rounds, which a full budget runs with static's executable
+        self._full_tiers = {self.tiers.round_up(b * (G + 1)) for b in range(1, self.tiers.max_batch_size + 1)}
         runner = self.runner
         self.tcache, runner.cache = runner.cache, None
         L, N, ps, Hkv, D = self.tcache.k.shape
@@ -266,10 +268,13 @@ class SpeculativeEngine(Engine):
         t0 = time.perf_counter()
         for t in self.prefill_buckets:
             self._compiled_prefill((t, self.prefill_seqs, self.prefill_seqs))
+        variants = (False, True) if self.ec.sampling_variants else (False,)
         for T, S in self._spec_shapes():
             for P in self.page_widths:
-                for greedy in ((False, True) if self.ec.sampling_variants else (False,)):
+                for greedy in variants:
                     self._compiled_spec(T, S, P, greedy)
+                    if self.spec.mode != "static" and T in self._full_tiers:
+                        self._compiled_spec(T, S, P, greedy, mode="static")
         return time.perf_counter() - t0
 
     def _abstract(self, tree):
@@ -284,8 +289,9 @@ class SpeculativeEngine(Engine):
                 shape_struct(T, S, self.pages_per_seq, R), samp).compile()
         return self._compiled[key]
 
-    def _compiled_spec(self, T: int, S: int, P: int, greedy: bool = False):
-        key = ("spec", self.spec.mode, T, S, P, greedy)
+    def _compiled_spec(self, T: int, S: int, P: int, greedy: bool = False, mode: str | None = None):
+        mode = mode or self.spec.mode
+        key = ("spec", mode, T, S, P, greedy)
         if key not in self._compiled:
             s = jax.ShapeDtypeStruct
             i32 = np.int32
@@ -298,18 +304,18 @@ class SpeculativeEngine(Engine):
             results = SpecOutputs(s((S, G), i32), s((S,), i32), s((S,), i32), s((S,), i32), s((S,), i32),
                                   s((S, G), f32), s((S, G), f32), None, None, None)
             results_pack = self._result_packs.setdefault(S, HostPack.of(results, ROUND_DEVICE_FIELDS))
-            self._compiled[key] = self._spec_jit[self.spec.mode, greedy].lower(
+            self._compiled[key] = self._spec_jit[mode, greedy].lower(
                 *self.state_args, self._abstract(self.tcache), self._abstract(self.dcache), pack.spec(),
                 pack.device(inp), self._abstract(self.sts_temperatures), num_tokens=T, pack=pack,
                 out_pack=results_pack).compile()
         return self._compiled[key]
 
-    def _run_round(self, T: int, S: int, inp: SpecInputs, greedy: bool = False) -> RoundOutputs:
+    def _run_round(self, T: int, S: int, inp: SpecInputs, greedy: bool = False, mode: str | None = None) -> RoundOutputs:
         """Dispatch the compiled round of tier (T, S) on `inp` (host fields packed into one transfer,
         and the results to read packed into one on the way back); the caches are donated and
         replaced."""
         P = inp.page_table.shape[1]
-        fn = self._compiled_spec(T, S, P, greedy)
+        fn = self._compiled_spec(T, S, P, greedy, mode)
         pack = self._spec_packs[S, P]
         results, on_device, self.tcache, self.dcache = fn(*self.state_args, self.tcache, self.dcache, pack.pack(inp),
                                                           pack.device(inp), self.sts_temperatures)
@@ -360,12 +366,15 @@ class SpeculativeEngine(Engine):
             K = bs * G
         else:
             lagged = self.scheduler_conf.lagged(step, generations, slots=slots)
-            decision = self.scheduler_conf.decide_budget(lagged.survival, lagged.fresh)
+            decision = self.scheduler_conf.decide_budget(lagged.survival, lagged.fresh, overlapped=prev is not None)
             K, predicted = decision.budget, decision.predicted_step_seconds
             if self.spec.forced_budget is not None:
                 K = min(int(self.spec.forced_budget), bs * G)
                 predicted = self.spec.cost_table.predict(bs, K) if self.spec.cost_table is not None else None
         T = self.tiers.tier_for(bs, K) if self.spec.mode == "compact" else self.tiers.round_up(bs * (G + 1))
+        # A full budget makes every window the whole block and caps no commit: the round is a
+        # static round, so it runs static's executable, without the device-side top-K.
+        mode = "static" if K >= bs * G else self.spec.mode
         S = min(T, self.ec.max_running_requests)
         pad = lambda a, dt: np.concatenate([np.asarray(a, dt), np.zeros(S - bs, dt)])
         live, table, temp, top_k, top_p, seed = self._round_inputs(reqs, S)
@@ -382,9 +391,9 @@ class SpeculativeEngine(Engine):
         inp = SpecInputs(anchor, start, table, live, np.int32(bs), np.int32(K), temp, top_k, top_p, seed, *fed,
                          fed_index, probes)
         greedy = self.ec.sampling_variants and not temp[:bs].any()  # the greedy round variant
-        self._compiled_spec(T, S, table.shape[1], greedy)  # compiled before the clock starts (precompile off)
+        self._compiled_spec(T, S, table.shape[1], greedy, mode)  # compiled before the clock starts (precompile off)
         t0 = time.perf_counter()
-        out = self._run_round(T, S, inp, greedy)
+        out = self._run_round(T, S, inp, greedy, mode)
         for x in jax.tree.leaves((out.results, out.estimate)):  # what _read needs; the fed arrays stay on device
             x.copy_to_host_async()
         return _Round(reqs, out, S, slots, generations, step, K, T, predicted, t0, prev is not None)
@@ -407,7 +416,7 @@ class SpeculativeEngine(Engine):
             self.stats["table_step_s"].append(self.spec.cost_table.predict(bs, rnd.budget))
             self.stats["measured_step_s"].append(measured)
             if self.spec.forced_budget is None:
-                self.scheduler_conf.record_step_time(bs, rnd.budget, measured)
+                self.scheduler_conf.record_step_time(bs, rnd.budget, measured, overlapped=rnd.overlapped)
         self._last_read_at = now
         # Rows of requests that finished in an earlier round ran past their end: keep them out of
         # the calibration data (the scheduler's lag ring drops them by slot generation).

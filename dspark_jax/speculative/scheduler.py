@@ -107,7 +107,13 @@ class ConfidenceScheduler:
         survival a budget uses and the step it is for (>= 1; see module doc).
         min_predicted_gain: g >= 0; trim only if predicted throughput beats verify-all by (1 + g).
         correction_weight: learn the table's level online from measured rounds
-        (``record_step_time``; step_time_correction.py) with this moving-average weight; None: off."""
+        (``record_step_time``; step_time_correction.py) with this moving-average weight; None: off.
+        The level is learned separately for overlapped rounds (dispatched while another round was
+        in flight: the host's work hides behind the device) and synchronous ones (the first round
+        after a drain, e.g. for a prefill: dispatch, device and read in series).  With the default
+        pair at batch 64 the two differ ~1.7x (1.4 vs 2.4 ms); one average over both missed every
+        round by ~25%, one per regime by 7-10% (replayed on
+        benchmarks/results/speculative_default_gpu_bs64_paired_8a94278.json)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if lag < 1:
@@ -118,13 +124,16 @@ class ConfidenceScheduler:
         self.cost_table = cost_table
         self.lag = int(lag)
         self.min_predicted_gain = min_predicted_gain
-        self.correction = (StepTimeCorrection(cost_table.bs_probes, correction_weight)
-                           if cost_table is not None and correction_weight is not None else None)
+        # by regime: overlapped (True) or synchronous (False) rounds
+        self.corrections = ({regime: StepTimeCorrection(cost_table.bs_probes, correction_weight)
+                             for regime in (True, False)}
+                            if cost_table is not None and correction_weight is not None else None)
         self._ring: deque[tuple[int, np.ndarray, np.ndarray]] = deque(maxlen=self.lag + 1)
 
     # -- role 1: the batch budget -------------------------------------------------------
-    def decide_budget(self, lagged_survival, fresh_mask) -> BudgetDecision:
-        """K = global argmax of tau(n) / T(R, n) over n = 0..#candidates (module doc).
+    def decide_budget(self, lagged_survival, fresh_mask, overlapped: bool = True) -> BudgetDecision:
+        """K = global argmax of tau(n) / T(R, n) over n = 0..#candidates (module doc); overlapped:
+        whether the step will be dispatched with another in flight (which level correction applies).
 
         The min-gain guard compares the argmax with verify-all (K = R * gamma, tau over every
         candidate) and keeps verify-all unless the argmax's predicted throughput is at least
@@ -142,7 +151,7 @@ class ConfidenceScheduler:
         if table is None:
             return BudgetDecision(full, cands.size, float(tau[-1]), None, None)
 
-        offset = self.correction.offset(num_rows) if self.correction is not None else 0.0
+        offset = self.corrections[bool(overlapped)].offset(num_rows) if self.corrections is not None else 0.0
         step_seconds = np.maximum(table.predict(num_rows, np.arange(cands.size + 1)) + offset, 1e-9)
         throughput = tau / step_seconds
         k = int(np.argmax(throughput))  # first maximum: ties go to the smaller budget
@@ -153,10 +162,11 @@ class ConfidenceScheduler:
                 return BudgetDecision(full, cands.size, float(tau[-1]), full_seconds, full_throughput, True)
         return BudgetDecision(k, cands.size, float(tau[k]), float(step_seconds[k]), float(throughput[k]))
 
-    def record_step_time(self, batch_size: int, budget: int, measured_seconds: float) -> None:
-        """Fold a read round's measured time into the online level correction (if enabled)."""
-        if self.correction is not None:
-            self.correction.update(batch_size, self.cost_table.predict(batch_size, budget), measured_seconds)
+    def record_step_time(self, batch_size: int, budget: int, measured_seconds: float, overlapped: bool = True) -> None:
+        """Fold a read round's measured time into the online level correction of its regime (if enabled)."""
+        if self.corrections is not None:
+            self.corrections[bool(overlapped)].update(batch_size, self.cost_table.predict(batch_size, budget),
+                                                      measured_seconds)
 
     def budget(self, lagged_survival, fresh_mask) -> int:
         """K for a step: see ``decide_budget`` for the full record."""
