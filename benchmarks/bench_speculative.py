@@ -209,8 +209,9 @@ def main(argv=None):
                     help="scanned-xla: every layer / drafting loop as an XLA while loop and XLA's norms and K/V "
                          "write (the engines before 2026-12-01), to compare with the defaults (unrolled loops "
                          "and the fused kernels on the GPU)")
-    ap.add_argument("--sampling-variants", type=int, choices=(0, 1), default=0,
-                    help="1: greedy / sampling executables chosen on the host (EngineConfig.sampling_variants): "
+    ap.add_argument("--sampling-variants", type=int, choices=(0, 1), default=1,
+                    help="1 (the engine's default): greedy / sampling executables chosen on the host "
+                         "(EngineConfig.sampling_variants): "
                          "the plain engine's decode steps and DSpark's rounds skip the sampling work when all "
                          "requests are greedy (the MTP arm's rounds are unchanged)")
     ap.add_argument("--tag", default="")

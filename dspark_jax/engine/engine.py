@@ -87,8 +87,11 @@ class EngineConfig:
     # overlap of step t+1's dispatch with step t cannot hide the host's work.  The DSpark engine
     # likewise compiles a greedy round per tier (no draft sampling, no filtered target
     # distribution: its rounds otherwise sort the vocabulary of every verified row, greedy or
-    # not).  Off until measured: twice the executables to compile at start-up.
-    sampling_variants: bool = False
+    # not).  On by default since measured: batch-1 8B decode step 4.32 vs 4.78 ms with the
+    # device-side choice, 1.19 vs 1.32x the HBM floor, end-to-end / device 0.85 vs 0.74 (batch 16
+    # unchanged; benchmarks/results/decode_qwen3-8b_gpu_bs1-16{,_sampvar}_5816917.md).  The cost:
+    # twice the decode / round executables to compile at start-up.
+    sampling_variants: bool = True
     compile_cache_dir: str | None = None
     precompile: bool = True  # False: compile each shape bucket on first use
     overlap: bool = True  # dispatch decode step t+1 (fed on device by step t) before reading step t
