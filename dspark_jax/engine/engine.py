@@ -84,13 +84,12 @@ class EngineConfig:
     # batches that sample, the host picking per step, instead of once with a device-side choice
     # (sampling.sample's lax.cond).  On the GPU XLA's conditional copies its predicate to the host
     # and waits for the device to reach it, so the host blocks inside every decode step and the
-    # overlap of step t+1's dispatch with step t cannot hide the host's work.  The DSpark engine
-    # likewise compiles a greedy round per tier (no draft sampling, no filtered target
-    # distribution: its rounds otherwise sort the vocabulary of every verified row, greedy or
-    # not).  On by default since measured: batch-1 8B decode step 4.32 vs 4.78 ms with the
-    # device-side choice, 1.19 vs 1.32x the HBM floor, end-to-end / device 0.85 vs 0.74 (batch 16
-    # unchanged; benchmarks/results/decode_qwen3-8b_gpu_bs1-16{,_sampvar}_5816917.md).  The cost:
-    # twice the decode / round executables to compile at start-up.
+    # overlap of step t+1's dispatch with step t cannot hide the host's work (the DSpark
+    # engine's rounds have their own switch, SpeculativeConfig.greedy_rounds).  On by default
+    # since measured: batch-1 8B decode step 4.32 vs 4.78 ms with the device-side choice, 1.19
+    # vs 1.32x the HBM floor, end-to-end / device 0.85 vs 0.74 (batch 16 unchanged;
+    # benchmarks/results/decode_qwen3-8b_gpu_bs1-16{,_sampvar}_5816917.md).  The cost: twice the
+    # decode executables to compile at start-up.
     sampling_variants: bool = True
     compile_cache_dir: str | None = None
     precompile: bool = True  # False: compile each shape bucket on first use
@@ -256,7 +255,7 @@ class Engine:
         self.scheduler.admit()
         chunks = self.scheduler.next_prefill()
         if chunks:
-            events = self._drain() + self._prefill(chunks)
+            events = self._prefill_step(chunks)
         else:
             reqs = self.scheduler.decode_batch()
             events = self._decode(reqs) if reqs else self._drain()
@@ -279,6 +278,10 @@ class Engine:
         """Give finished requests' slots and KV pages back and forget them."""
         for req in self.scheduler.release_finished():
             self._requests.pop(req.id, None)
+
+    def _prefill_step(self, chunks):
+        """A scheduling step that prefills: the in-flight decode step is read first."""
+        return self._drain() + self._prefill(chunks)
 
     def _prefill(self, chunks):
         T, S, batch, sampling = self._prefill_inputs(chunks)

@@ -53,7 +53,8 @@ from dspark_jax.kv_cache import KVCache
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
 from dspark_jax.speculative.cost_model import AdditiveCostTable
 from dspark_jax.speculative.scheduler import ConfidenceScheduler
-from dspark_jax.speculative.step import MODES, EstimatorLogProbs, SpecInputs, SpecOutputs, prefill_step, spec_step
+from dspark_jax.speculative.step import (MODES, EstimatorLogProbs, SpecInputs, SpecOutputs, join_feed, prefill_step,
+                                         spec_step)
 from dspark_jax.speculative.tiers import TokenTiers
 from dspark_jax.tokenizer import Tokenizer
 
@@ -115,6 +116,12 @@ class SpeculativeConfig:
     # unaffected).  For the embedded pair at T=1, 1.0 is best on code and verse and sharper drafts
     # (0.6) help math only (CPU: benchmarks/results/draft_temperature_scale_t1_cpu_6622b87.md).
     draft_temperature_scale: float = 1.0
+    # A second round executable per tier for all-greedy batches, chosen on the host: drafting
+    # takes the argmax without random draws and acceptance the exact-match rule without the
+    # filtered target distribution (a round otherwise sorts the vocabulary of every verified row,
+    # greedy or not).  Off until measured: it doubles the round executables compiled at start-up
+    # (the default pair's tiers took ~200 s to compile on the H200 without it).
+    greedy_rounds: bool = False
 
 
 @dataclasses.dataclass
@@ -176,8 +183,6 @@ class SpeculativeEngine(Engine):
         top = max(self.decode_buckets) * (G + 1)
         step = self.spec.tier_step if self.spec.tier_step is not None else max(64, -(-top // 8 // 64) * 64)
         self.tiers = TokenTiers(G, self.decode_buckets, tier_step=step or None)
-        # the tiers of verify-all rounds, which a full budget runs with static's executable
-        self._full_tiers = {self.tiers.round_up(b * (G + 1)) for b in range(1, self.tiers.max_batch_size + 1)}
         runner = self.runner
         self.tcache, runner.cache = runner.cache, None
         L, N, ps, Hkv, D = self.tcache.k.shape
@@ -192,8 +197,8 @@ class SpeculativeEngine(Engine):
                                                **self.draft_step_options(prefill=True)),
                              state_defs), donate_argnums=(2, 3))
         # A round takes its host inputs as one packed buffer (engine/host_pack.py: one transfer).
-        # With EngineConfig.sampling_variants every tier also gets a greedy round (no sampling work),
-        # dispatched when every request in the batch is greedy.
+        # With SpeculativeConfig.greedy_rounds every tier also gets a greedy round (no sampling
+        # work), dispatched when every request in the batch is greedy.
         self._spec_jit = {}
         for mode in MODES:
             for greedy in (False, True):
@@ -211,6 +216,9 @@ class SpeculativeEngine(Engine):
         self._step = 0  # rounds dispatched
         R = self.ec.max_running_requests
         self._no_feed = (jnp.zeros((R,), jnp.int32), jnp.zeros((R,), jnp.int32))
+        i32, Sp = jax.ShapeDtypeStruct, self.prefill_seqs
+        self._join_feed = jax.jit(join_feed).lower(i32((R,), np.int32), i32((R,), np.int32), i32((Sp,), np.int32),
+                                                   i32((3, Sp), np.int32)).compile()
         self._last_read_at = 0.0
         self._slot_of: dict[str, int] = {}
         self._slot_gen = np.full(self.ec.max_running_requests, -1, np.int64)
@@ -268,13 +276,10 @@ class SpeculativeEngine(Engine):
         t0 = time.perf_counter()
         for t in self.prefill_buckets:
             self._compiled_prefill((t, self.prefill_seqs, self.prefill_seqs))
-        variants = (False, True) if self.ec.sampling_variants else (False,)
         for T, S in self._spec_shapes():
             for P in self.page_widths:
-                for greedy in variants:
+                for greedy in ((False, True) if self.spec.greedy_rounds else (False,)):
                     self._compiled_spec(T, S, P, greedy)
-                    if self.spec.mode != "static" and T in self._full_tiers:
-                        self._compiled_spec(T, S, P, greedy, mode="static")
         return time.perf_counter() - t0
 
     def _abstract(self, tree):
@@ -289,9 +294,8 @@ class SpeculativeEngine(Engine):
                 shape_struct(T, S, self.pages_per_seq, R), samp).compile()
         return self._compiled[key]
 
-    def _compiled_spec(self, T: int, S: int, P: int, greedy: bool = False, mode: str | None = None):
-        mode = mode or self.spec.mode
-        key = ("spec", mode, T, S, P, greedy)
+    def _compiled_spec(self, T: int, S: int, P: int, greedy: bool = False):
+        key = ("spec", self.spec.mode, T, S, P, greedy)
         if key not in self._compiled:
             s = jax.ShapeDtypeStruct
             i32 = np.int32
@@ -304,18 +308,18 @@ class SpeculativeEngine(Engine):
             results = SpecOutputs(s((S, G), i32), s((S,), i32), s((S,), i32), s((S,), i32), s((S,), i32),
                                   s((S, G), f32), s((S, G), f32), None, None, None)
             results_pack = self._result_packs.setdefault(S, HostPack.of(results, ROUND_DEVICE_FIELDS))
-            self._compiled[key] = self._spec_jit[mode, greedy].lower(
+            self._compiled[key] = self._spec_jit[self.spec.mode, greedy].lower(
                 *self.state_args, self._abstract(self.tcache), self._abstract(self.dcache), pack.spec(),
                 pack.device(inp), self._abstract(self.sts_temperatures), num_tokens=T, pack=pack,
                 out_pack=results_pack).compile()
         return self._compiled[key]
 
-    def _run_round(self, T: int, S: int, inp: SpecInputs, greedy: bool = False, mode: str | None = None) -> RoundOutputs:
+    def _run_round(self, T: int, S: int, inp: SpecInputs, greedy: bool = False) -> RoundOutputs:
         """Dispatch the compiled round of tier (T, S) on `inp` (host fields packed into one transfer,
         and the results to read packed into one on the way back); the caches are donated and
         replaced."""
         P = inp.page_table.shape[1]
-        fn = self._compiled_spec(T, S, P, greedy, mode)
+        fn = self._compiled_spec(T, S, P, greedy)
         pack = self._spec_packs[S, P]
         results, on_device, self.tcache, self.dcache = fn(*self.state_args, self.tcache, self.dcache, pack.pack(inp),
                                                           pack.device(inp), self.sts_temperatures)
@@ -331,6 +335,36 @@ class SpeculativeEngine(Engine):
             if r.status is Status.FINISHED:
                 self._slot_of.pop(r.id, None)
         return events
+
+    def _prefill_step(self, chunks):
+        """A prefill arriving while a round is in flight goes behind it without draining the
+        overlap: the prefill is dispatched (the donated caches order it after the round on the
+        device), then the next round, for the running requests (fed by the in-flight round) and
+        those this prefill completes (fed by its sampled first tokens, joined on the device), and
+        only then are the in-flight round and the first tokens read.  Draining first instead left
+        the device idle while the host dispatched the prefill and then the next round: at batch 64
+        with a request replaced every round or two, ~40% of the rounds ran that way (~2.4 ms
+        against ~1.4 ms overlapped, benchmarks/results/speculative_default_gpu_bs64_paired_8a94278.json)."""
+        prev = self._inflight
+        if not self.overlap or prev is None:
+            return super()._prefill_step(chunks)
+        T, S, batch, samp = self._prefill_inputs(chunks)
+        first, self.tcache, self.dcache = self._compiled_prefill((T, S, S))(*self.state_args, self.tcache,
+                                                                            self.dcache, batch, samp)
+        first.copy_to_host_async()
+        joining = {}  # request -> its prefill row, for requests whose prompt this chunk completes
+        for i, (r, n) in enumerate(chunks):
+            if r.num_cached + n == len(r.prompt_ids):
+                self._assign_slot(r)
+                joining[id(r)] = i
+        reqs = self.scheduler.decode_batch() + [r for r, _ in chunks if id(r) in joining]
+        self._inflight = self._dispatch_round(reqs, prev, joined=(first, joining)) if reqs else None
+        events = self._read(prev)
+        started = self._commit_prefill(chunks, first)
+        for r, _ in started:  # done at its first token: the slot is free again (its rows in the
+            if r.status is Status.FINISHED:  # round just dispatched are ignored when read)
+                self._slot_of.pop(r.id, None)
+        return events + started
 
     def _assign_slot(self, r):
         used = set(self._slot_of.values())
@@ -353,10 +387,12 @@ class SpeculativeEngine(Engine):
                 events += self._drain()
         return events
 
-    def _dispatch_round(self, reqs, prev: _Round | None) -> _Round:
+    def _dispatch_round(self, reqs, prev: _Round | None, joined=None) -> _Round:
         """Dispatch a round; prev: the in-flight (unread) round, whose device outputs feed the
         anchors and positions of the requests it holds (None, and for any other request: the
-        host's committed state, which is current because no unread round holds them)."""
+        host's committed state, which is current because no unread round holds them).
+        joined: (first tokens, {id(request): prefill row}) of an unread prefill: those requests
+        start from its tokens, joined into the feed on the device (_prefill_step)."""
         G, bs = self.gamma, len(reqs)
         slots = np.array([self._slot_of[r.id] for r in reqs])
         generations = self._slot_gen[slots].copy()
@@ -372,31 +408,45 @@ class SpeculativeEngine(Engine):
                 K = min(int(self.spec.forced_budget), bs * G)
                 predicted = self.spec.cost_table.predict(bs, K) if self.spec.cost_table is not None else None
         T = self.tiers.tier_for(bs, K) if self.spec.mode == "compact" else self.tiers.round_up(bs * (G + 1))
-        # A full budget makes every window the whole block and caps no commit: the round is a
-        # static round, so it runs static's executable, without the device-side top-K.
-        mode = "static" if K >= bs * G else self.spec.mode
         S = min(T, self.ec.max_running_requests)
         pad = lambda a, dt: np.concatenate([np.asarray(a, dt), np.zeros(S - bs, dt)])
         live, table, temp, top_k, top_p, seed = self._round_inputs(reqs, S)
         prev_row = {id(r): i for i, r in enumerate(prev.reqs)} if prev is not None else {}
         fed_index = np.full(S, -1, np.int32)
         fed_index[:bs] = [prev_row.get(id(r), -1) for r in reqs]
+        fed = (prev.out.next_anchor, prev.out.next_start) if prev is not None else self._no_feed
+        if joined is not None:
+            fed = self._join(fed, fed_index, reqs, *joined)
         host = fed_index[:bs] < 0
         anchor = pad([r.output_ids[-1] if h else 0 for r, h in zip(reqs, host)], np.int32)
         start = pad([r.total_len - 1 if h else 0 for r, h in zip(reqs, host)], np.int32)
-        fed = (prev.out.next_anchor, prev.out.next_start) if prev is not None else self._no_feed
         probes = np.full((S, G + 1, self._num_probes), -1, np.int32)
         if self.estimator is not None:  # never overlapped: the host state is current
             probes[:bs] = self.estimator.probe_tokens([r.id for r in reqs], start[:bs], G + 1)
         inp = SpecInputs(anchor, start, table, live, np.int32(bs), np.int32(K), temp, top_k, top_p, seed, *fed,
                          fed_index, probes)
-        greedy = self.ec.sampling_variants and not temp[:bs].any()  # the greedy round variant
-        self._compiled_spec(T, S, table.shape[1], greedy, mode)  # compiled before the clock starts (precompile off)
+        greedy = self.spec.greedy_rounds and not temp[:bs].any()  # the greedy round variant
+        self._compiled_spec(T, S, table.shape[1], greedy)  # compiled before the clock starts (precompile off)
         t0 = time.perf_counter()
-        out = self._run_round(T, S, inp, greedy, mode)
+        out = self._run_round(T, S, inp, greedy)
         for x in jax.tree.leaves((out.results, out.estimate)):  # what _read needs; the fed arrays stay on device
             x.copy_to_host_async()
         return _Round(reqs, out, S, slots, generations, step, K, T, predicted, t0, prev is not None)
+
+    def _join(self, fed, fed_index, reqs, first_tokens, joining):
+        """Point the joining requests' rows at free rows of the feed (rows no fed request reads)
+        and write their first tokens and positions there, on the device."""
+        R = self.ec.max_running_requests
+        free = iter(sorted(set(range(R)) - set(fed_index[fed_index >= 0].tolist())))
+        joins = np.zeros((3, self.prefill_seqs), np.int32)
+        joins[0] = R  # no destination: dropped
+        j = 0
+        for i, r in enumerate(reqs):
+            if id(r) in joining:
+                fed_index[i] = row = next(free)
+                joins[:, j] = (row, joining[id(r)], len(r.prompt_ids))
+                j += 1
+        return self._join_feed(*fed, first_tokens, joins)
 
     def _read(self, rnd: _Round):
         """Read a dispatched round (the one host sync per round) and commit its tokens."""
