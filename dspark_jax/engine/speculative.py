@@ -19,8 +19,10 @@ without round t: page tables are reserved up front, sampling parameters are per 
 compact budget comes from the survival observed `lag` = 2 rounds back, which has been read by
 then.  A request that finishes in round t wasted its share of round t+1, whose output for it is
 ignored; its K/V writes stay within its own reserved pages (the lookahead covers two blocks) and
-precede, in device order, any reuse of those pages.  A prefill step reads the in-flight round
-first.
+precede, in device order, any reuse of those pages.  Admissions keep the overlap too: a prefill
+is dispatched behind the round in flight, then the next round, which starts the requests the
+prefill completes from its sampled tokens (joined into the feed on the device), and only then
+are the round and the first tokens read (_prefill_step).
 
 Block-accept estimator (compact mode, SpeculativeConfig.estimate_block_accept): brackets the
 censored ceiling from later rounds' target log-probs (speculative/block_accept.py).  Its probe
