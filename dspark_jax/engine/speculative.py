@@ -19,10 +19,10 @@ without round t: page tables are reserved up front, sampling parameters are per 
 compact budget comes from the survival observed `lag` = 2 rounds back, which has been read by
 then.  A request that finishes in round t wasted its share of round t+1, whose output for it is
 ignored; its K/V writes stay within its own reserved pages (the lookahead covers two blocks) and
-precede, in device order, any reuse of those pages.  Admissions keep the overlap too: a prefill
-is dispatched behind the round in flight, then the next round, which starts the requests the
-prefill completes from its sampled tokens (joined into the feed on the device), and only then
-are the round and the first tokens read (_prefill_step).
+precede, in device order, any reuse of those pages.  A prefill step reads the in-flight round
+first: dispatched behind it instead (7ad24e2), the prefill's host-driven layer loops blocked the
+host until the round had run, so the next round's dispatch still left the device idle, and the
+default pair at batch 64 ran 8-20% slower (benchmarks/results/speculative_default_gpu_bs64_paired_7ad24e2.md).
 
 Block-accept estimator (compact mode, SpeculativeConfig.estimate_block_accept): brackets the
 censored ceiling from later rounds' target log-probs (speculative/block_accept.py).  Its probe
@@ -55,8 +55,7 @@ from dspark_jax.kv_cache import KVCache
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
 from dspark_jax.speculative.cost_model import AdditiveCostTable
 from dspark_jax.speculative.scheduler import ConfidenceScheduler
-from dspark_jax.speculative.step import (MODES, EstimatorLogProbs, SpecInputs, SpecOutputs, join_feed, prefill_step,
-                                         spec_step)
+from dspark_jax.speculative.step import MODES, EstimatorLogProbs, SpecInputs, SpecOutputs, prefill_step, spec_step
 from dspark_jax.speculative.tiers import TokenTiers
 from dspark_jax.tokenizer import Tokenizer
 
@@ -218,9 +217,6 @@ class SpeculativeEngine(Engine):
         self._step = 0  # rounds dispatched
         R = self.ec.max_running_requests
         self._no_feed = (jnp.zeros((R,), jnp.int32), jnp.zeros((R,), jnp.int32))
-        i32, Sp = jax.ShapeDtypeStruct, self.prefill_seqs
-        self._join_feed = jax.jit(join_feed).lower(i32((R,), np.int32), i32((R,), np.int32), i32((Sp,), np.int32),
-                                                   i32((3, Sp), np.int32)).compile()
         self._last_read_at = 0.0
         self._slot_of: dict[str, int] = {}
         self._slot_gen = np.full(self.ec.max_running_requests, -1, np.int64)
@@ -338,36 +334,6 @@ class SpeculativeEngine(Engine):
                 self._slot_of.pop(r.id, None)
         return events
 
-    def _prefill_step(self, chunks):
-        """A prefill arriving while a round is in flight goes behind it without draining the
-        overlap: the prefill is dispatched (the donated caches order it after the round on the
-        device), then the next round, for the running requests (fed by the in-flight round) and
-        those this prefill completes (fed by its sampled first tokens, joined on the device), and
-        only then are the in-flight round and the first tokens read.  Draining first instead left
-        the device idle while the host dispatched the prefill and then the next round: at batch 64
-        with a request replaced every round or two, ~40% of the rounds ran that way (~2.4 ms
-        against ~1.4 ms overlapped, benchmarks/results/speculative_default_gpu_bs64_paired_8a94278.json)."""
-        prev = self._inflight
-        if not self.overlap or prev is None:
-            return super()._prefill_step(chunks)
-        T, S, batch, samp = self._prefill_inputs(chunks)
-        first, self.tcache, self.dcache = self._compiled_prefill((T, S, S))(*self.state_args, self.tcache,
-                                                                            self.dcache, batch, samp)
-        first.copy_to_host_async()
-        joining = {}  # request -> its prefill row, for requests whose prompt this chunk completes
-        for i, (r, n) in enumerate(chunks):
-            if r.num_cached + n == len(r.prompt_ids):
-                self._assign_slot(r)
-                joining[id(r)] = i
-        reqs = self.scheduler.decode_batch() + [r for r, _ in chunks if id(r) in joining]
-        self._inflight = self._dispatch_round(reqs, prev, joined=(first, joining)) if reqs else None
-        events = self._read(prev)
-        started = self._commit_prefill(chunks, first)
-        for r, _ in started:  # done at its first token: the slot is free again (its rows in the
-            if r.status is Status.FINISHED:  # round just dispatched are ignored when read)
-                self._slot_of.pop(r.id, None)
-        return events + started
-
     def _assign_slot(self, r):
         used = set(self._slot_of.values())
         slot = next(i for i in range(self.ec.max_running_requests) if i not in used)
@@ -389,12 +355,10 @@ class SpeculativeEngine(Engine):
                 events += self._drain()
         return events
 
-    def _dispatch_round(self, reqs, prev: _Round | None, joined=None) -> _Round:
+    def _dispatch_round(self, reqs, prev: _Round | None) -> _Round:
         """Dispatch a round; prev: the in-flight (unread) round, whose device outputs feed the
         anchors and positions of the requests it holds (None, and for any other request: the
-        host's committed state, which is current because no unread round holds them).
-        joined: (first tokens, {id(request): prefill row}) of an unread prefill: those requests
-        start from its tokens, joined into the feed on the device (_prefill_step)."""
+        host's committed state, which is current because no unread round holds them)."""
         G, bs = self.gamma, len(reqs)
         slots = np.array([self._slot_of[r.id] for r in reqs])
         generations = self._slot_gen[slots].copy()
@@ -416,12 +380,10 @@ class SpeculativeEngine(Engine):
         prev_row = {id(r): i for i, r in enumerate(prev.reqs)} if prev is not None else {}
         fed_index = np.full(S, -1, np.int32)
         fed_index[:bs] = [prev_row.get(id(r), -1) for r in reqs]
-        fed = (prev.out.next_anchor, prev.out.next_start) if prev is not None else self._no_feed
-        if joined is not None:
-            fed = self._join(fed, fed_index, reqs, *joined)
         host = fed_index[:bs] < 0
         anchor = pad([r.output_ids[-1] if h else 0 for r, h in zip(reqs, host)], np.int32)
         start = pad([r.total_len - 1 if h else 0 for r, h in zip(reqs, host)], np.int32)
+        fed = (prev.out.next_anchor, prev.out.next_start) if prev is not None else self._no_feed
         probes = np.full((S, G + 1, self._num_probes), -1, np.int32)
         if self.estimator is not None:  # never overlapped: the host state is current
             probes[:bs] = self.estimator.probe_tokens([r.id for r in reqs], start[:bs], G + 1)
@@ -434,21 +396,6 @@ class SpeculativeEngine(Engine):
         for x in jax.tree.leaves((out.results, out.estimate)):  # what _read needs; the fed arrays stay on device
             x.copy_to_host_async()
         return _Round(reqs, out, S, slots, generations, step, K, T, predicted, t0, prev is not None)
-
-    def _join(self, fed, fed_index, reqs, first_tokens, joining):
-        """Point the joining requests' rows at free rows of the feed (rows no fed request reads)
-        and write their first tokens and positions there, on the device."""
-        R = self.ec.max_running_requests
-        free = iter(sorted(set(range(R)) - set(fed_index[fed_index >= 0].tolist())))
-        joins = np.zeros((3, self.prefill_seqs), np.int32)
-        joins[0] = R  # no destination: dropped
-        j = 0
-        for i, r in enumerate(reqs):
-            if id(r) in joining:
-                fed_index[i] = row = next(free)
-                joins[:, j] = (row, joining[id(r)], len(r.prompt_ids))
-                j += 1
-        return self._join_feed(*fed, first_tokens, joins)
 
     def _read(self, rnd: _Round):
         """Read a dispatched round (the one host sync per round) and commit its tokens."""

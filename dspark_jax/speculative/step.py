@@ -191,17 +191,4 @@ def prefill_step(target_def, drafter_def, target_state, drafter_state, tcache: K
     drafter = nnx.merge(drafter_def, drafter_state)
     out = target(tcache, batch, tap_layers=drafter.config.target_layer_ids, backend=backend, **dict(target_options))
     dcache = drafter.extend_context(dcache, out.taps, batch.positions, batch.slot_mapping, unroll=unroll)
-    # "stochastic": the tokens of sample's device-side choice without its conditional, whose
-    # predicate the GPU would copy to the host mid-step (a prefill dispatched behind an in-flight
-    # round must not block the host); the sort it adds covers a few prompt rows only.
-    return sample(out.logits, *sampling, variant="stochastic"), out.cache, dcache
-
-
-def join_feed(fed_anchor, fed_start, first_tokens, joins):
-    """The feed of a round that also starts requests a prefill has just completed, still on the
-    device: fed_anchor / fed_start [R] (the in-flight round's next anchors and positions), the
-    prefill's sampled tokens [S_p], joins [3, S_p] int32 host rows (destination row in the feed,
-    or R and up for none; the prefill row of its first token; that token's position)."""
-    dst, src, start = joins
-    return (fed_anchor.at[dst].set(first_tokens[src].astype(fed_anchor.dtype), mode="drop"),
-            fed_start.at[dst].set(start, mode="drop"))
+    return sample(out.logits, *sampling), out.cache, dcache
