@@ -20,9 +20,11 @@ compact budget comes from the survival observed `lag` = 2 rounds back, which has
 then.  A request that finishes in round t wasted its share of round t+1, whose output for it is
 ignored; its K/V writes stay within its own reserved pages (the lookahead covers two blocks) and
 precede, in device order, any reuse of those pages.  A prefill step reads the in-flight round
-first: dispatched behind it instead (7ad24e2), the prefill's host-driven layer loops blocked the
-host until the round had run, so the next round's dispatch still left the device idle, and the
-default pair at batch 64 ran 8-20% slower (benchmarks/results/speculative_default_gpu_bs64_paired_7ad24e2.md).
+first.  Dispatched behind it instead (7ad24e2), rounds with a prefill behind them took ~4.5 ms
+against ~2.2 ms and the default pair at batch 64 ran 8-20% slower
+(benchmarks/results/speculative_default_gpu_bs64_paired_7ad24e2.md), most likely because the
+prefill's layer loops are XLA while loops, driven from the host on the GPU: its dispatch waits
+for the round ahead of it, and the next round's dispatch then finds the device idle.
 
 Block-accept estimator (compact mode, SpeculativeConfig.estimate_block_accept): brackets the
 censored ceiling from later rounds' target log-probs (speculative/block_accept.py).  Its probe
