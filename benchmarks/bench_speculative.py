@@ -43,7 +43,7 @@ from benchmarks.common import environment, write_results
 ARMS = ("none", "static", "compact+table", "compact", "mtp")  # run order: the goals' arms first
 
 
-def build_engine(arm: str, target, ec, table, greedy_rounds: bool = False):
+def build_engine(arm: str, target, ec, table, greedy_rounds: bool = False, overlap_admissions: bool = False):
     from dspark_jax.default_model import default_drafter_path, default_mtp_path
     from dspark_jax.engine import Engine
     from dspark_jax.engine.mtp_engine import MTPEngine
@@ -59,7 +59,8 @@ def build_engine(arm: str, target, ec, table, greedy_rounds: bool = False):
     # Level correction weight 0.3: replaying the 8a94278 batch-64 rounds offline, per-regime levels
     # missed the median round by 10-13% at weight 0.1 and 7-10% at 0.3 (host-bound rounds drift).
     spec = SpeculativeConfig(mode=mode, cost_table=table if with_table else None,
-                             step_time_correction=0.3 if with_table else None, greedy_rounds=greedy_rounds)
+                             step_time_correction=0.3 if with_table else None, greedy_rounds=greedy_rounds,
+                             overlap_admissions=overlap_admissions)
     return SpeculativeEngine.from_pretrained(target, default_drafter_path(), ec, spec)
 
 
@@ -166,7 +167,8 @@ def report(args, env, rows: list[dict]) -> None:
           "[lowest, highest].\n",
           f"Engines in {args.dtype or 'the checkpoint dtype'}, matmul precision {args.matmul_precision or 'default'}, "
           f"execution {args.execution}, sampling variants {'on' if args.sampling_variants else 'off'}, "
-          f"greedy rounds {'on' if args.greedy_rounds else 'off'}.\n",
+          f"greedy rounds {'on' if args.greedy_rounds else 'off'}, "
+          f"overlapped admissions {'on' if args.overlap_admissions else 'off'}.\n",
           "| workload | batch | requests | arm | tok/s | x none | x static paired | accept | window | "
           "step pred (table) / meas ms | same tokens |",
           "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -216,6 +218,9 @@ def main(argv=None):
     ap.add_argument("--greedy-rounds", type=int, choices=(0, 1), default=0,
                     help="1: DSpark rounds get a greedy executable per tier, run when every request is greedy "
                          "(SpeculativeConfig.greedy_rounds; twice the round executables to compile)")
+    ap.add_argument("--overlap-admissions", type=int, choices=(0, 1), default=0,
+                    help="1: DSpark admissions prefilled behind the round in flight with an unrolled prefill "
+                         "(SpeculativeConfig.overlap_admissions)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out-dir", action="append", default=[])
     args = ap.parse_args(argv)
@@ -251,7 +256,8 @@ def main(argv=None):
     engines, setup = {}, {}
     for arm in arms:
         t0 = time.perf_counter()
-        engines[arm] = build_engine(arm, target, ec, table, greedy_rounds=bool(args.greedy_rounds))
+        engines[arm] = build_engine(arm, target, ec, table, greedy_rounds=bool(args.greedy_rounds),
+                                    overlap_admissions=bool(args.overlap_admissions))
         setup[arm] = time.perf_counter() - t0
     rows = []
     for workload, prompts in sorted(by_workload.items()):

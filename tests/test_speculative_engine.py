@@ -181,25 +181,36 @@ def test_overlap_survives_requests_leaving_the_batch(pair, plain, mode):
     assert eng.pool.num_free_pages == eng.pool.num_usable_pages
 
 
-@pytest.mark.parametrize("mode", ["static", "compact"])
-def test_admissions_while_rounds_overlap(pair, plain, mode):
+@pytest.mark.parametrize("mode,behind", [("static", False), ("compact", False), ("static", True), ("compact", True)])
+def test_admissions_while_rounds_overlap(pair, plain, mode, behind):
     """More requests than slots, of mixed lengths (some done at their first token, some with
-    prompts longer than a prefill chunk), admitted while rounds run overlapped.  Greedy output
-    equals plain greedy; in static mode, sampled output equals the same engine's without overlap
-    (same seeds, same keys; compact's windows depend on the batch, which overlap changes: a round
-    dispatched before the previous one is read still holds requests that ended there); nothing
-    leaks."""
+    prompts longer than a prefill chunk), admitted while rounds run overlapped; with
+    overlap_admissions (behind) each admission is prefilled behind the in-flight round and the
+    next round, starting the new requests from the prefill's tokens on the device, is dispatched
+    before anything is read.  Greedy output equals plain greedy; in static mode, sampled output
+    equals the same engine's without overlap (same seeds, same keys; compact's windows depend on
+    the batch, which overlap changes: a round dispatched before the previous one is read still
+    holds requests that ended there); nothing leaks."""
     target, tok, drafter = pair
     V = target.config.vocab_size
     rng = np.random.default_rng(41)
     prompts = [rng.integers(3, V, size=int(n)).tolist() for n in (5, 90, 12, 3, 70, 20, 8, 33, 2, 150, 17)]
     lens = [9, 1, 17, 30, 4, 1, 12, 21, 6, 11, 25]
-    spec = SpeculativeConfig(mode=mode, cost_table=TABLE if mode == "compact" else None)
+    spec = SpeculativeConfig(mode=mode, cost_table=TABLE if mode == "compact" else None, overlap_admissions=behind)
     eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC), spec)
+    started, dispatch = [], eng._dispatch_round
+
+    def spy(reqs, prev, joined=None):
+        if joined is not None:
+            started.append(len(joined[1]))
+        return dispatch(reqs, prev, joined)
+
+    eng._dispatch_round = spy
     greedy = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lens]
     got = eng.generate(prompts, greedy)
     assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(prompts, greedy)]
     assert [g.finish_reason for g in got] == ["length"] * len(prompts)
+    assert (sum(started) >= 4) if behind else not started  # requests started from an unread prefill
     sampled = [SamplingParams(max_new_tokens=n, temperature=0.9, top_k=40, seed=100 + i, ignore_eos=True)
                for i, n in enumerate(lens)]
     got = eng.generate(prompts, sampled)
@@ -344,13 +355,15 @@ def test_sampled_speculation_follows_target_distribution(mode, draft_scale):
     assert np.mean(eng.stats["accept_lens"]) > 1.2  # drafts were really accepted along the way
 
 
-def test_no_compilation_after_startup(pair, caplog):
+@pytest.mark.parametrize("behind", [False, True])
+def test_no_compilation_after_startup(pair, caplog, behind):
     import logging
 
     import jax
 
     target, tok, drafter = pair
-    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC), SpeculativeConfig(mode="compact", cost_table=TABLE))
+    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC),
+                            SpeculativeConfig(mode="compact", cost_table=TABLE, overlap_admissions=behind))
     prompts = _prompts(target.config.vocab_size, 6, seed=8)
     eng.generate(prompts[:2], GREEDY)
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):

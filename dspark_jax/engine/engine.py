@@ -255,7 +255,7 @@ class Engine:
         self.scheduler.admit()
         chunks = self.scheduler.next_prefill()
         if chunks:
-            events = self._drain() + self._prefill(chunks)
+            events = self._prefill_step(chunks)
         else:
             reqs = self.scheduler.decode_batch()
             events = self._decode(reqs) if reqs else self._drain()
@@ -278,6 +278,10 @@ class Engine:
         """Give finished requests' slots and KV pages back and forget them."""
         for req in self.scheduler.release_finished():
             self._requests.pop(req.id, None)
+
+    def _prefill_step(self, chunks):
+        """A scheduling step that prefills: the in-flight decode step is read first."""
+        return self._drain() + self._prefill(chunks)
 
     def _prefill(self, chunks):
         T, S, batch, sampling = self._prefill_inputs(chunks)

@@ -25,6 +25,7 @@ against ~2.2 ms and the default pair at batch 64 ran 8-20% slower
 (benchmarks/results/speculative_default_gpu_bs64_paired_7ad24e2.md), most likely because the
 prefill's layer loops are XLA while loops, driven from the host on the GPU: its dispatch waits
 for the round ahead of it, and the next round's dispatch then finds the device idle.
+SpeculativeConfig.overlap_admissions brings it back with an unrolled prefill (not yet measured).
 
 Block-accept estimator (compact mode, SpeculativeConfig.estimate_block_accept): brackets the
 censored ceiling from later rounds' target log-probs (speculative/block_accept.py).  Its probe
@@ -57,7 +58,8 @@ from dspark_jax.kv_cache import KVCache
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
 from dspark_jax.speculative.cost_model import AdditiveCostTable
 from dspark_jax.speculative.scheduler import ConfidenceScheduler
-from dspark_jax.speculative.step import MODES, EstimatorLogProbs, SpecInputs, SpecOutputs, prefill_step, spec_step
+from dspark_jax.speculative.step import (MODES, EstimatorLogProbs, SpecInputs, SpecOutputs, join_feed, prefill_step,
+                                         spec_step)
 from dspark_jax.speculative.tiers import TokenTiers
 from dspark_jax.tokenizer import Tokenizer
 
@@ -125,6 +127,14 @@ class SpeculativeConfig:
     # greedy or not).  Off until measured: it doubles the round executables compiled at start-up
     # (the default pair's tiers took ~200 s to compile on the H200 without it).
     greedy_rounds: bool = False
+    # Admissions without draining the overlap (_prefill_step): a prefill is dispatched behind the
+    # round in flight, then the next round, which starts the requests it completes from its
+    # sampled tokens on the device.  The prefill then runs with unrolled loops and without
+    # sampling's device-side conditional: dispatched behind a round with its scanned layer loops
+    # (XLA while loops, driven from the host on the GPU), it made the default pair at batch 64
+    # 8-20% slower (benchmarks/results/speculative_default_gpu_bs64_paired_7ad24e2.md).  Off until
+    # measured in this form; needs EngineConfig.overlap.
+    overlap_admissions: bool = False
 
 
 @dataclasses.dataclass
@@ -195,9 +205,11 @@ class SpeculativeEngine(Engine):
         self.drafter_def, self.drafter_state = nnx.split(drafter)
         # The steps take both states as flat leaf lists (engine/flat_state.py: cheaper dispatch).
         self.state_args, state_defs = flatten_states(self.target_state, self.drafter_state)
+        self.overlap_admissions = self.overlap and self.spec.overlap_admissions
+        prefill_options = (dict(self.draft_step_options(prefill=False), sample_variant="stochastic")
+                           if self.overlap_admissions else self.draft_step_options(prefill=True))
         self._prefill_jit = jax.jit(
-            with_flat_states(functools.partial(prefill_step, self.target_def, self.drafter_def,
-                                               **self.draft_step_options(prefill=True)),
+            with_flat_states(functools.partial(prefill_step, self.target_def, self.drafter_def, **prefill_options),
                              state_defs), donate_argnums=(2, 3))
         # A round takes its host inputs as one packed buffer (engine/host_pack.py: one transfer).
         # With SpeculativeConfig.greedy_rounds every tier also gets a greedy round (no sampling
@@ -219,6 +231,10 @@ class SpeculativeEngine(Engine):
         self._step = 0  # rounds dispatched
         R = self.ec.max_running_requests
         self._no_feed = (jnp.zeros((R,), jnp.int32), jnp.zeros((R,), jnp.int32))
+        if self.overlap_admissions:
+            i32, Sp = jax.ShapeDtypeStruct, self.prefill_seqs
+            self._join_feed = jax.jit(join_feed).lower(i32((R,), np.int32), i32((R,), np.int32),
+                                                       i32((Sp,), np.int32), i32((3, Sp), np.int32)).compile()
         self._last_read_at = 0.0
         self._slot_of: dict[str, int] = {}
         self._slot_gen = np.full(self.ec.max_running_requests, -1, np.int64)
@@ -336,6 +352,32 @@ class SpeculativeEngine(Engine):
                 self._slot_of.pop(r.id, None)
         return events
 
+    def _prefill_step(self, chunks):
+        """With overlap_admissions and a round in flight: dispatch the prefill behind it (the
+        donated caches order them on the device), then the next round, for the running requests
+        (fed by the in-flight round) and those this prefill completes (fed by its sampled first
+        tokens, joined on the device), and only then read the round and the first tokens."""
+        prev = self._inflight
+        if not self.overlap_admissions or prev is None:
+            return super()._prefill_step(chunks)
+        T, S, batch, samp = self._prefill_inputs(chunks)
+        first, self.tcache, self.dcache = self._compiled_prefill((T, S, S))(*self.state_args, self.tcache,
+                                                                            self.dcache, batch, samp)
+        first.copy_to_host_async()
+        joining = {}  # request -> its prefill row, for requests whose prompt this chunk completes
+        for i, (r, n) in enumerate(chunks):
+            if r.num_cached + n == len(r.prompt_ids):
+                self._assign_slot(r)
+                joining[id(r)] = i
+        reqs = self.scheduler.decode_batch() + [r for r, _ in chunks if id(r) in joining]
+        self._inflight = self._dispatch_round(reqs, prev, joined=(first, joining)) if reqs else None
+        events = self._read(prev)
+        started = self._commit_prefill(chunks, first)
+        for r, _ in started:  # done at its first token: the slot is free again (its rows in the
+            if r.status is Status.FINISHED:  # round just dispatched are ignored when read)
+                self._slot_of.pop(r.id, None)
+        return events + started
+
     def _assign_slot(self, r):
         used = set(self._slot_of.values())
         slot = next(i for i in range(self.ec.max_running_requests) if i not in used)
@@ -357,10 +399,12 @@ class SpeculativeEngine(Engine):
                 events += self._drain()
         return events
 
-    def _dispatch_round(self, reqs, prev: _Round | None) -> _Round:
+    def _dispatch_round(self, reqs, prev: _Round | None, joined=None) -> _Round:
         """Dispatch a round; prev: the in-flight (unread) round, whose device outputs feed the
         anchors and positions of the requests it holds (None, and for any other request: the
-        host's committed state, which is current because no unread round holds them)."""
+        host's committed state, which is current because no unread round holds them).
+        joined: (first tokens, {id(request): prefill row}) of an unread prefill: those requests
+        start from its tokens, joined into the feed on the device (_prefill_step)."""
         G, bs = self.gamma, len(reqs)
         slots = np.array([self._slot_of[r.id] for r in reqs])
         generations = self._slot_gen[slots].copy()
@@ -382,10 +426,12 @@ class SpeculativeEngine(Engine):
         prev_row = {id(r): i for i, r in enumerate(prev.reqs)} if prev is not None else {}
         fed_index = np.full(S, -1, np.int32)
         fed_index[:bs] = [prev_row.get(id(r), -1) for r in reqs]
+        fed = (prev.out.next_anchor, prev.out.next_start) if prev is not None else self._no_feed
+        if joined is not None:
+            fed = self._join(fed, fed_index, reqs, *joined)
         host = fed_index[:bs] < 0
         anchor = pad([r.output_ids[-1] if h else 0 for r, h in zip(reqs, host)], np.int32)
         start = pad([r.total_len - 1 if h else 0 for r, h in zip(reqs, host)], np.int32)
-        fed = (prev.out.next_anchor, prev.out.next_start) if prev is not None else self._no_feed
         probes = np.full((S, G + 1, self._num_probes), -1, np.int32)
         if self.estimator is not None:  # never overlapped: the host state is current
             probes[:bs] = self.estimator.probe_tokens([r.id for r in reqs], start[:bs], G + 1)
@@ -398,6 +444,21 @@ class SpeculativeEngine(Engine):
         for x in jax.tree.leaves((out.results, out.estimate)):  # what _read needs; the fed arrays stay on device
             x.copy_to_host_async()
         return _Round(reqs, out, S, slots, generations, step, K, T, predicted, t0, prev is not None)
+
+    def _join(self, fed, fed_index, reqs, first_tokens, joining):
+        """Point the joining requests' rows at free rows of the feed (rows no fed request reads)
+        and write their first tokens and positions there, on the device."""
+        R = self.ec.max_running_requests
+        free = iter(sorted(set(range(R)) - set(fed_index[fed_index >= 0].tolist())))
+        joins = np.zeros((3, self.prefill_seqs), np.int32)
+        joins[0] = R  # no destination: dropped
+        j = 0
+        for i, r in enumerate(reqs):
+            if id(r) in joining:
+                fed_index[i] = row = next(free)
+                joins[:, j] = (row, joining[id(r)], len(r.prompt_ids))
+                j += 1
+        return self._join_feed(*fed, first_tokens, joins)
 
     def _read(self, rnd: _Round):
         """Read a dispatched round (the one host sync per round) and commit its tokens."""

@@ -185,10 +185,23 @@ def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCa
 
 
 def prefill_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCache, dcache: KVCache,
-                 batch: ForwardBatch, sampling, *, backend: str, target_options: tuple = (), unroll: bool = False):
-    """Target prefill with taps; the prompt rows become draft context; the first token is sampled."""
+                 batch: ForwardBatch, sampling, *, backend: str, target_options: tuple = (), unroll: bool = False,
+                 sample_variant: str = "any"):
+    """Target prefill with taps; the prompt rows become draft context; the first token is sampled
+    (sample_variant: sampling.sample's; "stochastic" draws the same tokens without its
+    device-side conditional)."""
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state)
     out = target(tcache, batch, tap_layers=drafter.config.target_layer_ids, backend=backend, **dict(target_options))
     dcache = drafter.extend_context(dcache, out.taps, batch.positions, batch.slot_mapping, unroll=unroll)
-    return sample(out.logits, *sampling), out.cache, dcache
+    return sample(out.logits, *sampling, variant=sample_variant), out.cache, dcache
+
+
+def join_feed(fed_anchor, fed_start, first_tokens, joins):
+    """The feed of a round that also starts requests a prefill has just completed, on the device:
+    fed_anchor / fed_start [R] (the in-flight round's next anchors and positions), the prefill's
+    sampled tokens [S_p], joins [3, S_p] int32 host rows (destination row in the feed, R or more
+    for none; the prefill row holding its first token; that token's position)."""
+    dst, src, start = joins
+    return (fed_anchor.at[dst].set(first_tokens[src].astype(fed_anchor.dtype), mode="drop"),
+            fed_start.at[dst].set(start, mode="drop"))
