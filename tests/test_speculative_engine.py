@@ -415,7 +415,7 @@ def test_gpu_execution_options_commit_the_same_tokens(pair, plain, model_dir):
     """What the engines run on the GPU -- every loop unrolled (target layers, drafter layers, the
     gamma sampling steps, the context extension; the MTP chain) and the fused norm and K/V-write
     kernels (interpret mode here) -- commits exactly the plain engine's greedy tokens, for the
-    DSpark and the MTP engine."""
+    DSpark (with admissions behind the round in flight, its prefill unrolled) and the MTP engine."""
     from dspark_jax.engine.mtp_engine import MTPEngine
     from dspark_jax.mtp.model import MTPConfig, MTPDrafter
 
@@ -423,7 +423,9 @@ def test_gpu_execution_options_commit_the_same_tokens(pair, plain, model_dir):
     gpu_like = EngineConfig(**EC, unroll_decode=True, norm_backend="pallas", kv_write_backend="pallas")
     prompts = _prompts(target.config.vocab_size, 5, seed=11)
     want = [r.token_ids for r in plain.generate(prompts, GREEDY)]
-    eng = SpeculativeEngine(target, tok, drafter, gpu_like, SpeculativeConfig(mode="compact", cost_table=TABLE))
+    # with overlap_admissions the prefill is unrolled too (the fifth prompt is admitted mid-batch)
+    eng = SpeculativeEngine(target, tok, drafter, gpu_like,
+                            SpeculativeConfig(mode="compact", cost_table=TABLE, overlap_admissions=True))
     assert eng.unroll_decode and (eng.norm_backend, eng.kv_write_backend) == ("pallas", "pallas")
     assert [r.token_ids for r in eng.generate(prompts, GREEDY)] == want
     assert np.asarray(eng.stats["accept_lens"]).max() >= 3
