@@ -343,11 +343,20 @@ class SpeculativeEngine(Engine):
 
     # -- steps ------------------------------------------------------------------------------
     def _prefill(self, chunks):
+        return self._commit_first_tokens(chunks, self._dispatch_prefill(chunks), on_complete=self._assign_slot)
+
+    def _dispatch_prefill(self, chunks) -> jax.Array:
+        """Dispatch the prefill of prompt chunks; returns the sampled first tokens (not yet read)."""
         T, S, batch, samp = self._prefill_inputs(chunks)
         fn = self._compiled_prefill((T, S, S))
         tokens, self.tcache, self.dcache = fn(*self.state_args, self.tcache, self.dcache, batch, samp)
-        events = self._commit_prefill(chunks, tokens, on_complete=self._assign_slot)
-        for r, _ in events:  # done at its first token (EOS, max_new_tokens 1): the slot is free again
+        return tokens
+
+    def _commit_first_tokens(self, chunks, tokens, on_complete=None):
+        """Commit a prefill's first tokens; a request done at its first token (EOS, max_new_tokens
+        1) gives its slot back (rows a round already dispatched for it are ignored when read)."""
+        events = self._commit_prefill(chunks, tokens, on_complete=on_complete)
+        for r, _ in events:
             if r.status is Status.FINISHED:
                 self._slot_of.pop(r.id, None)
         return events
@@ -360,9 +369,7 @@ class SpeculativeEngine(Engine):
         prev = self._inflight
         if not self.overlap_admissions or prev is None:
             return super()._prefill_step(chunks)
-        T, S, batch, samp = self._prefill_inputs(chunks)
-        first, self.tcache, self.dcache = self._compiled_prefill((T, S, S))(*self.state_args, self.tcache,
-                                                                            self.dcache, batch, samp)
+        first = self._dispatch_prefill(chunks)
         first.copy_to_host_async()
         joining = {}  # request -> its prefill row, for requests whose prompt this chunk completes
         for i, (r, n) in enumerate(chunks):
@@ -372,11 +379,7 @@ class SpeculativeEngine(Engine):
         reqs = self.scheduler.decode_batch() + [r for r, _ in chunks if id(r) in joining]
         self._inflight = self._dispatch_round(reqs, prev, joined=(first, joining)) if reqs else None
         events = self._read(prev)
-        started = self._commit_prefill(chunks, first)
-        for r, _ in started:  # done at its first token: the slot is free again (its rows in the
-            if r.status is Status.FINISHED:  # round just dispatched are ignored when read)
-                self._slot_of.pop(r.id, None)
-        return events + started
+        return events + self._commit_first_tokens(chunks, first)
 
     def _assign_slot(self, r):
         used = set(self._slot_of.values())

@@ -32,6 +32,8 @@ from pallas_kernels.kv_write import resolve_backend as resolve_kv_write_backend
 from pallas_kernels.kv_write import write_kv_from_qkv_op
 
 NORM_BACKENDS = KV_WRITE_BACKENDS = GEMV_BACKENDS = BACKENDS
+
+
 class GemvBackends(NamedTuple):
     """How each of a layer's four projections runs (``project``): "pallas" | "reference" | "auto".
     Per projection so that a decode step can take the GEMV kernel where it wins and XLA's GEMM
