@@ -112,17 +112,39 @@ def test_auroc_rejects_soft_labels():
         auroc([0.1, 0.2], [0.5, 1])
 
 
-def test_accumulator_matches_batch_metrics():
+@pytest.mark.parametrize("fold_rows", [1, 200, 10_000])
+def test_accumulator_matches_batch_metrics(fold_rows):
+    """Streamed metrics equal the batch ones whether rows were folded per update, in batches
+    (one fold after 250 rows, 150 rows still pending at the first read) or only when read, and
+    updates after a read keep counting."""
     rng = np.random.default_rng(2)
-    survival = np.cumprod(rng.random((400, 3)), axis=1)
-    labels = prefix_labels_from_accept_counts(rng.integers(0, 4, 400), 3)
-    acc = ConfidenceMetricsAccumulator(3)
-    acc.update(survival[:150], labels[:150])
-    acc.update(survival[150:], labels[150:])
+    survival = np.cumprod(rng.random((500, 3)), axis=1)
+    labels = prefix_labels_from_accept_counts(rng.integers(0, 4, 500), 3)
+    acc = ConfidenceMetricsAccumulator(3, fold_rows=fold_rows)
+    for lo, hi in ((0, 150), (150, 250), (250, 400)):
+        acc.update(survival[lo:hi], labels[lo:hi].astype(bool) if lo else labels[lo:hi])
+    first = acc.summary()
+    np.testing.assert_allclose(first["ece"], confidence_metrics_by_position(survival[:400], labels[:400])["ece"],
+                               rtol=1e-9)
+    acc.update(survival[400:], labels[400:])
     streamed, batch = acc.summary(), confidence_metrics_by_position(survival, labels)
     for key in ("ece", "brier", "mean_prediction", "mean_label"):
         np.testing.assert_allclose(streamed[key], batch[key], rtol=1e-9, err_msg=key)
     np.testing.assert_allclose(streamed["auroc"], [auroc_histogram(survival[:, k], labels[:, k]) for k in range(3)])
+    assert acc.count.sum() == 500 * 3
+
+
+def test_accumulator_rejects_bad_rows_at_update():
+    acc = ConfidenceMetricsAccumulator(2)
+    with pytest.raises(ValueError, match="probabilities"):
+        acc.update([[0.5, np.nan]], [[1, 0]])
+    with pytest.raises(ValueError, match="probabilities"):
+        acc.update([[1.5, 0.2]], [[1, 0]])
+    with pytest.raises(ValueError, match="0 or 1"):
+        acc.update([[0.5, 0.2]], [[1, 0.5]])
+    with pytest.raises(ValueError, match="block_size 2"):
+        acc.update([[0.5, 0.2, 0.1]], [[1, 0, 0]])
+    assert acc.count.sum() == 0  # nothing bad was kept
 
 
 # ---------------------------------------------------------------- labels

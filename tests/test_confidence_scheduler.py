@@ -177,6 +177,24 @@ def test_budget_equals_brute_force_argmax_on_random_staircases(seed):
     assert got == expected or values[got] == pytest.approx(values[expected], rel=1e-12)
 
 
+def test_one_scheduler_stays_exact_across_rounds_with_cached_prices():
+    """The scheduler caches the table's prices per (batch size, candidates); a long-lived one,
+    asked about recurring and changing batch sizes and candidate counts, still returns the
+    brute-force argmax every round."""
+    rng = np.random.default_rng(99)
+    args = _staircase([8, 16, 40, 64], [3e-4, 6e-4, 1e-4, 5e-4], bias=2e-3)
+    args = (args[0], [1.0, 8.0], [0.0, 4e-4], args[3], args[4])
+    sched = ConfidenceScheduler(GAMMA, AdditiveCostTable(*args))
+    for _ in range(40):
+        rows = int(rng.choice([3, 5, 8]))
+        survival = _random_survival(rng, rows, quantised=False)
+        survival[rng.random(rows) < 0.3] *= 1e-7  # rows whose candidates drop below eps
+        fresh = rng.random(rows) < 0.2
+        expected, values = _brute_force(args, survival.tolist(), fresh)
+        got = sched.budget(survival, fresh)
+        assert got == expected or values[got] == pytest.approx(values[expected], rel=1e-12)
+
+
 def test_budget_ties_go_to_the_smaller_budget():
     c = 2.0 ** -10  # theta(M) = c * M exactly, no bias: tau(n) / T(n) = 1 / c for every n
     table = AdditiveCostTable(0.0, [1.0], [0.0], [1.0, 1000.0], [c, 1000 * c])
@@ -201,6 +219,7 @@ def test_no_table_means_verify_all():
     s = np.full((6, GAMMA), 0.01)
     d = sched.decide_budget(s, np.zeros(6, bool))
     assert d.budget == 6 * GAMMA and d.predicted_step_seconds is None and not d.guard_applied
+    assert d.num_candidates == 6 * GAMMA and d.expected_tokens == pytest.approx(6 + 6 * GAMMA * 0.01)
     assert sched.verify_lens(s, d.budget).tolist() == [W] * 6
     rec = sched.plan_step(0, s, np.arange(6))
     assert rec.budget == 6 * GAMMA and rec.verify_lens.tolist() == [W] * 6

@@ -206,40 +206,78 @@ class ConfidenceMetricsAccumulator:
     ECE, Brier and the means are exact; AUROC uses `auroc_bins` per-class histograms
     (equal to `auroc_histogram` over everything seen).  `update` takes [rows, γ] survival and
     {0,1} prefix labels; `summary` returns the same keys as `confidence_metrics_by_position`.
+
+    An engine calls `update` once per round on its host loop, where every microsecond delays the
+    next dispatch: an update only checks and keeps its rows, and the histograms fold them in
+    batches of at least `fold_rows` rows (one set of bincounts per batch instead of per round),
+    and whenever they are read.
     """
 
-    def __init__(self, block_size: int, ece_bins: int = DEFAULT_ECE_BINS, auroc_bins: int = SGLANG_AUROC_BINS):
+    def __init__(self, block_size: int, ece_bins: int = DEFAULT_ECE_BINS, auroc_bins: int = SGLANG_AUROC_BINS,
+                 fold_rows: int = 4096):
         self.block_size, self.ece_bins, self.auroc_bins = block_size, _check_bins(ece_bins), _check_bins(auroc_bins)
+        self.fold_rows = int(fold_rows)
         self.reset()
 
     def reset(self) -> None:
         g = self.block_size
-        self.count = np.zeros((g, self.ece_bins))
-        self.sum_pred = np.zeros((g, self.ece_bins))
-        self.sum_label = np.zeros((g, self.ece_bins))
-        self.pos_hist = np.zeros((g, self.auroc_bins))
-        self.neg_hist = np.zeros((g, self.auroc_bins))
-        self.sum_sq_error = np.zeros(g)
+        self._count = np.zeros((g, self.ece_bins))
+        self._sum_pred = np.zeros((g, self.ece_bins))
+        self._sum_label = np.zeros((g, self.ece_bins))
+        self._pos_hist = np.zeros((g, self.auroc_bins))
+        self._neg_hist = np.zeros((g, self.auroc_bins))
+        self._sum_sq_error = np.zeros(g)
+        self._pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self._pending_rows = 0
 
     def update(self, survival, labels) -> None:
-        survival, labels = _check_block(survival, labels)
+        survival = np.array(survival, dtype=np.float64)  # copies: the rows are kept until folded
+        labels = np.array(labels)
+        if survival.ndim != 2 or survival.shape != labels.shape:
+            raise ValueError(f"survival and labels must both be [n, block_size]; got {survival.shape} and {labels.shape}")
         if survival.shape[1] != self.block_size:
             raise ValueError(f"expected block_size {self.block_size}; got {survival.shape[1]}")
-        _check_labels(labels, binary=True)
-        # Every position at once: position k's bins are offset by k * bins in one flat bincount
-        # (an engine folds a round into this on its host loop, once per round).
+        # min / max propagate NaN, which fails both comparisons
+        if survival.size and not (survival.min() >= 0.0 and survival.max() <= 1.0):
+            raise ValueError("predictions must be finite probabilities in [0, 1]")
+        if labels.dtype != np.bool_:
+            _check_labels(labels, binary=True)
+        self._pending.append((survival, labels))
+        self._pending_rows += survival.shape[0]
+        if self._pending_rows >= self.fold_rows:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Add the kept rows to the histograms (every position at once: position k's bins are
+        offset by k * bins in one flat bincount)."""
+        if not self._pending:
+            return
+        survival = np.concatenate([s for s, _ in self._pending])
+        labels = np.concatenate([y for _, y in self._pending]).astype(np.float64)
+        self._pending, self._pending_rows = [], 0
         g = self.block_size
         p, y = survival.ravel(), labels.ravel()
         positive = y == 1
         flat_bins = lambda bins: (bin_index(survival, bins) + np.arange(g) * bins).ravel()
         histogram = lambda idx, bins, weights=None: np.bincount(idx, weights, minlength=g * bins).reshape(g, bins)
         ece_idx, auroc_idx = flat_bins(self.ece_bins), flat_bins(self.auroc_bins)
-        self.count += histogram(ece_idx, self.ece_bins)
-        self.sum_pred += histogram(ece_idx, self.ece_bins, p)
-        self.sum_label += histogram(ece_idx, self.ece_bins, y)
-        self.pos_hist += histogram(auroc_idx[positive], self.auroc_bins)
-        self.neg_hist += histogram(auroc_idx[~positive], self.auroc_bins)
-        self.sum_sq_error += np.sum((survival - labels) ** 2, axis=0)
+        self._count += histogram(ece_idx, self.ece_bins)
+        self._sum_pred += histogram(ece_idx, self.ece_bins, p)
+        self._sum_label += histogram(ece_idx, self.ece_bins, y)
+        self._pos_hist += histogram(auroc_idx[positive], self.auroc_bins)
+        self._neg_hist += histogram(auroc_idx[~positive], self.auroc_bins)
+        self._sum_sq_error += np.sum((survival - labels) ** 2, axis=0)
+
+    def _folded(self, name: str) -> np.ndarray:
+        self._fold()
+        return getattr(self, name)
+
+    count = property(lambda self: self._folded("_count"))
+    sum_pred = property(lambda self: self._folded("_sum_pred"))
+    sum_label = property(lambda self: self._folded("_sum_label"))
+    pos_hist = property(lambda self: self._folded("_pos_hist"))
+    neg_hist = property(lambda self: self._folded("_neg_hist"))
+    sum_sq_error = property(lambda self: self._folded("_sum_sq_error"))
 
     def reliability(self, position: int) -> ReliabilityTable:
         return _table_from_sums(self.count[position], self.sum_pred[position], self.sum_label[position])

@@ -251,6 +251,13 @@ class SpeculativeEngine(Engine):
         self.confidence_metrics = ConfidenceMetricsAccumulator(G) if self.spec.mode != "compact" else None
         self.compile_seconds = self._compile_all() if (config or EngineConfig()).precompile else 0.0
 
+    @property
+    def _schedules(self) -> bool:
+        """Whether rounds take their budget from the confidence scheduler.  Without a cost table
+        its budget is always verify-all and a forced budget (profiling) overrides it, so neither
+        asks it, nor keeps its lag ring: host work a round would wait for."""
+        return self.spec.mode != "static" and self.spec.cost_table is not None and self.spec.forced_budget is None
+
     def _extra_kv_bytes_per_token(self, model) -> int:
         d = self.drafter.config
         return 2 * d.num_layers * d.num_key_value_heads * d.head_dim * jnp.dtype(model.dtype).itemsize
@@ -413,15 +420,15 @@ class SpeculativeEngine(Engine):
         generations = self._slot_gen[slots].copy()
         step, self._step = self._step, self._step + 1
         predicted = None
-        if self.spec.mode == "static":
-            K = bs * G
-        else:
+        if self.spec.mode != "static" and self.spec.forced_budget is not None:  # profiling (profile_sps.py)
+            K = min(int(self.spec.forced_budget), bs * G)
+            predicted = self.spec.cost_table.predict(bs, K) if self.spec.cost_table is not None else None
+        elif self._schedules:
             lagged = self.scheduler_conf.lagged(step, generations, slots=slots)
             decision = self.scheduler_conf.decide_budget(lagged.survival, lagged.fresh, overlapped=prev is not None)
             K, predicted = decision.budget, decision.predicted_step_seconds
-            if self.spec.forced_budget is not None:
-                K = min(int(self.spec.forced_budget), bs * G)
-                predicted = self.spec.cost_table.predict(bs, K) if self.spec.cost_table is not None else None
+        else:  # static, or compact without a cost table: verify everything
+            K = bs * G
         T = self.tiers.tier_for(bs, K) if self.spec.mode == "compact" else self.tiers.round_up(bs * (G + 1))
         S = min(T, self.ec.max_running_requests)
         pad = lambda a, dt: np.concatenate([np.asarray(a, dt), np.zeros(S - bs, dt)])
@@ -489,7 +496,7 @@ class SpeculativeEngine(Engine):
         if self.confidence_metrics is not None:
             labels = np.arange(G)[None, :] < out.block_accept[:bs, None]
             self.confidence_metrics.update(out.survival[:bs][alive], labels[alive])
-        if self.spec.mode != "static":
+        if self._schedules:
             self.scheduler_conf.observe(rnd.step, out.survival[:bs], rnd.generations, slots=rnd.slots)
         self.stats["rounds"] += 1
         done = commit_rounds(self.stats, rnd.reqs, out.drafts, out.num_accepted, out.bonus, out.verify_lens,

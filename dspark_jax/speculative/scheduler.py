@@ -129,6 +129,7 @@ class ConfidenceScheduler:
                              for regime in (True, False)}
                             if cost_table is not None and correction_weight is not None else None)
         self._ring: deque[tuple[int, np.ndarray, np.ndarray]] = deque(maxlen=self.lag + 1)
+        self._price_cache: dict[tuple[int, int], np.ndarray] = {}
 
     # -- role 1: the batch budget -------------------------------------------------------
     def decide_budget(self, lagged_survival, fresh_mask, overlapped: bool = True) -> BudgetDecision:
@@ -144,23 +145,41 @@ class ConfidenceScheduler:
             raise ValueError(f"fresh_mask must have shape [{s.shape[0]}], got {fresh.shape}")
         num_rows = s.shape[0]
         full = num_rows * self.block_size
-        vals = np.where(fresh[:, None], 1.0, s.astype(np.float64)).ravel()
-        cands = np.sort(vals[vals >= SURVIVAL_EPS])[::-1]
-        tau = num_rows + np.concatenate([[0.0], np.cumsum(cands)])  # tau[n], n = 0..#cands
+        vals = s.astype(np.float64).ravel()
+        if fresh.any():
+            vals = np.where(np.repeat(fresh, self.block_size), 1.0, vals)
+        cands = vals[vals >= SURVIVAL_EPS]
         table = self.cost_table
-        if table is None:
-            return BudgetDecision(full, cands.size, float(tau[-1]), None, None)
+        if table is None:  # verify all: no ranking needed
+            return BudgetDecision(full, cands.size, float(num_rows + cands.sum()), None, None)
 
+        cands = np.sort(cands)[::-1]
+        tau = np.empty(cands.size + 1)
+        tau[0] = num_rows
+        np.cumsum(cands, out=tau[1:])
+        tau[1:] += num_rows  # tau[n], n = 0..#cands
         offset = self.corrections[bool(overlapped)].offset(num_rows) if self.corrections is not None else 0.0
-        step_seconds = np.maximum(table.predict(num_rows, np.arange(cands.size + 1)) + offset, 1e-9)
+        step_seconds = np.maximum(self._prices(num_rows, cands.size) + offset, 1e-9)
         throughput = tau / step_seconds
         k = int(np.argmax(throughput))  # first maximum: ties go to the smaller budget
         if self.min_predicted_gain is not None and k != full:
-            full_seconds = max(table.predict(num_rows, full) + offset, 1e-9)
+            full_seconds = max(self._prices(num_rows, full)[-1] + offset, 1e-9)
             full_throughput = float(tau[-1]) / full_seconds  # tau over all candidates ~ tau(full)
             if throughput[k] < full_throughput * (1.0 + self.min_predicted_gain):
                 return BudgetDecision(full, cands.size, float(tau[-1]), full_seconds, full_throughput, True)
         return BudgetDecision(k, cands.size, float(tau[k]), float(step_seconds[k]), float(throughput[k]))
+
+    def _prices(self, num_rows: int, max_budget: int) -> np.ndarray:
+        """The table's T(num_rows, n) for n = 0..max_budget, cached: the table never changes and a
+        serving batch keeps the same (batch size, candidates) for many rounds."""
+        key = (num_rows, max_budget)
+        prices = self._price_cache.get(key)
+        if prices is None:
+            if len(self._price_cache) >= 512:
+                self._price_cache.clear()
+            prices = self._price_cache[key] = np.asarray(
+                self.cost_table.predict(num_rows, np.arange(max_budget + 1)), np.float64)
+        return prices
 
     def record_step_time(self, batch_size: int, budget: int, measured_seconds: float, overlapped: bool = True) -> None:
         """Fold a read round's measured time into the online level correction of its regime (if enabled)."""
