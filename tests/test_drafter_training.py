@@ -157,6 +157,13 @@ def test_prompts_are_cut_like_the_benchmarks(tmp_path):
     assert [p["workload"] for p in prompts] == ["math", "code", "verse"] * 2 + ["math", "code", "math"]
     assert prompts == select_prompts(corpus, cfg)
     assert prompts != select_prompts(corpus, SelfDistillConfig(split="train", per_workload=4, seed=1))
+    # code=2: two code prompts per turn of the interleaving, the same prompts otherwise
+    shared = select_prompts(corpus, SelfDistillConfig(split="train", per_workload=4, workload_share=("code=2",)))
+    assert [p["workload"] for p in shared] == ["math", "code", "code", "verse", "math", "code", "verse", "math", "math"]
+    assert sorted(p["id"] for p in shared) == sorted(p["id"] for p in prompts)
+    assert "workload_share" not in cfg.to_json()  # older settings files stay resumable
+    with pytest.raises(ValueError, match="workload=n"):
+        SelfDistillConfig(workload_share=("prose=2",)).shares()
 
 
 # -- a tiny target with learnable structure ----------------------------------------------------

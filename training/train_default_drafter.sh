@@ -45,6 +45,9 @@ PER_WORKLOAD=${PER_WORKLOAD:-16000}
 VAL_PER_WORKLOAD=${VAL_PER_WORKLOAD:-100}
 DATA_TIME=${DATA_TIME:-100}
 TRAIN_TEMPERATURE=${TRAIN_TEMPERATURE:-0.7}  # the train split's sampling temperature (0: greedy responses)
+TRAIN_TOP_P=${TRAIN_TOP_P:-0.8}  # ... and nucleus / top-k (DeepSpec: 0.8 / 20; 1 / 0: the target's own distribution)
+TRAIN_TOP_K=${TRAIN_TOP_K:-20}
+TRAIN_SHARE=${TRAIN_SHARE:-}  # e.g. code=2: twice code's share of the (time-limited) train split
 MAX_NEW=${MAX_NEW:-256}
 MAX_RUNNING=${MAX_RUNNING:-256}
 PROBE_STEPS=${PROBE_STEPS:-30}
@@ -112,6 +115,7 @@ for stage in $STAGES; do
           --max-running "$MAX_RUNNING" --no-progress > "$OUT/selfdistill_validation.log" 2>&1
       "$PYTHON" -m training.drafter selfdistill --target "$TARGET" --corpus "$CORPUS" --out "$DATA" \
           --split train --per-workload "$PER_WORKLOAD" --temperature "$TRAIN_TEMPERATURE" \
+          --top-p "$TRAIN_TOP_P" --top-k "$TRAIN_TOP_K" ${TRAIN_SHARE:+--workload-share "$TRAIN_SHARE"} \
           --max-new-tokens "$MAX_NEW" --max-running "$MAX_RUNNING" \
           --time-limit-s "$DATA_TIME" --no-progress > "$OUT/selfdistill_train.log" 2>&1
       tail -n 30 "$OUT/selfdistill_train.log"

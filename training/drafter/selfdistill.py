@@ -73,10 +73,26 @@ class SelfDistillConfig:
     top_k: int = 20
     seed: int = 0
     shard_size: int = 512
+    # "workload=n" entries: that workload's prompts come n at a time in the interleaving (others
+    # one at a time), so a time-limited split holds n times its share, e.g. ("code=2",).
+    workload_share: tuple[str, ...] = ()
+
+    def shares(self) -> dict[str, int]:
+        out = {w: 1 for w in self.workloads}
+        for item in self.workload_share:
+            name, sep, n = item.partition("=")
+            if not sep or name not in out or not n.isdigit() or int(n) < 1:
+                raise ValueError(f"workload_share entries are workload=n with n >= 1 and workload one of "
+                                 f"{list(self.workloads)}; got {item!r}")
+            out[name] = int(n)
+        return out
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["workloads"] = list(self.workloads)
+        d["workload_share"] = list(self.workload_share)
+        if not self.workload_share:  # settings written before the option existed stay resumable
+            del d["workload_share"]
         return d
 
 
@@ -101,15 +117,17 @@ def document_prompts(workload: str, doc_id: str, text: str) -> list[tuple[str, s
 def select_prompts(corpus_dir: Path | str, cfg: SelfDistillConfig) -> list[dict]:
     """cfg.per_workload prompts per workload spread over as many documents as possible, then the
     workloads interleaved so every shard (and so every generation batch) mixes them."""
-    per_workload = []
+    per_workload, shares = [], cfg.shares()
     for workload in cfg.workloads:
         groups = [document_prompts(workload, d.id, d.text) for d in iter_documents(corpus_dir, cfg.split, workload)]
         rng = random.Random(f"selfdistill:{cfg.seed}:{cfg.split}:{workload}")
         picked = interleaved_sample(groups, cfg.per_workload, rng)
         per_workload.append([{"id": pid, "workload": workload, "prompt": text} for pid, text in picked])
     out = []
-    for i in range(max(map(len, per_workload), default=0)):
-        out.extend(group[i] for group in per_workload if i < len(group))
+    steps = [shares[w] for w in cfg.workloads]
+    for i in range(max((-(-len(g) // n) for g, n in zip(per_workload, steps)), default=0)):
+        for group, n in zip(per_workload, steps):
+            out.extend(group[i * n:(i + 1) * n])
     return out
 
 
