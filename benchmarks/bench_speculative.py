@@ -39,6 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 
 from benchmarks.common import environment, write_results
+from benchmarks.step_prediction import markdown as prediction_markdown
+from benchmarks.step_prediction import prediction_summary
 
 ARMS = ("none", "static", "compact+table", "compact", "mtp")  # run order: the goals' arms first
 
@@ -123,6 +125,8 @@ def run_cell(engines: dict, groups, max_new: int, repeats: int) -> dict:
                                    "measured_s": meas[:4000].tolist(), "committed": ctx[:4000, 0].tolist(),
                                    "overlapped": steady[:4000].tolist(), "batch_size": ctx[:4000, 2].tolist(),
                                    "budget": ctx[:4000, 3].tolist()}
+            # the run-level error and the per-round jitter floor (benchmarks/step_prediction.py)
+            cell["step_prediction"] = prediction_summary(pred, meas, ctx[:, 2], steady)
         cells[a] = cell
     return cells
 
@@ -184,6 +188,13 @@ def report(args, env, rows: list[dict]) -> None:
         md.append(f"| {r['workload']} | {r['batch']} | {r['requests']} | {r['arm']} | {r['tok_s']:.0f} | "
                   f"{r.get('speedup_vs_none', float('nan')):.2f} | {paired} | {r.get('accept_length', 1.0):.2f} | "
                   f"{r.get('window', float('nan')):.2f} | {step} | {same} |")
+    predictions = [{"workload": r["workload"], "batch": r["batch"], **r["step_prediction"]}
+                   for r in rows if "step_prediction" in r]
+    if predictions:
+        md += ["", "Step-time prediction of compact + table: sum of predicted over sum of measured round times; "
+               "the median per-round error beside its jitter floor (an oracle predicting each round by the median "
+               "measured time of its batch-size bucket and regime; benchmarks/step_prediction.py).", "",
+               *prediction_markdown(predictions)]
     for p in write_results(f"speculative_default_{env['platform']}{args.tag}", payload, "\n".join(md) + "\n",
                            args.out_dir):
         print("wrote", p)

@@ -47,6 +47,9 @@ def test_step_time_accounting_and_per_round_record():
     assert cell["step_median_rel_error_overlapped"] == pytest.approx(0.125)
     assert cell["step_table_median_rel_error"] == pytest.approx(np.median([0.5, 0.5, 0.75]))
     assert cell["tokens"] == 3 and cell["accept_length"] == pytest.approx(1.5)
+    # run level: predicted 12 ms against 16 ms measured over the six rounds
+    assert cell["step_prediction"]["total_ratio"] == pytest.approx(12 / 16)
+    assert cell["step_prediction"]["rounds"] == 6
 
 
 def test_cell_groups_single_prompts_at_batch_one_and_waves_above():
