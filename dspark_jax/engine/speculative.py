@@ -22,10 +22,12 @@ ignored; its K/V writes stay within its own reserved pages (the lookahead covers
 precede, in device order, any reuse of those pages.  A prefill step reads the in-flight round
 first.  Dispatched behind it instead (7ad24e2), rounds with a prefill behind them took ~4.5 ms
 against ~2.2 ms and the default pair at batch 64 ran 8-20% slower
-(benchmarks/results/speculative_default_gpu_bs64_paired_7ad24e2.md), most likely because the
-prefill's layer loops are XLA while loops, driven from the host on the GPU: its dispatch waits
-for the round ahead of it, and the next round's dispatch then finds the device idle.
-SpeculativeConfig.overlap_admissions brings it back with an unrolled prefill (not yet measured).
+(benchmarks/results/speculative_default_gpu_bs64_paired_7ad24e2.md).  The suspected cause, the
+prefill's scanned layer loops blocking the host at dispatch, did not hold up: on the H200 neither
+a scan nor a lax.cond blocks the host behind queued work
+(benchmarks/results/probe_host_sync_gpu_446209e.md), so the cause is open.
+SpeculativeConfig.overlap_admissions brings the flow back with an unrolled prefill (not yet
+measured).
 
 Block-accept estimator (compact mode, SpeculativeConfig.estimate_block_accept): brackets the
 censored ceiling from later rounds' target log-probs (speculative/block_accept.py).  Its probe
@@ -130,10 +132,10 @@ class SpeculativeConfig:
     # Admissions without draining the overlap (_prefill_step): a prefill is dispatched behind the
     # round in flight, then the next round, which starts the requests it completes from its
     # sampled tokens on the device.  The prefill then runs with unrolled loops and without
-    # sampling's device-side conditional: dispatched behind a round with its scanned layer loops
-    # (XLA while loops, driven from the host on the GPU), it made the default pair at batch 64
-    # 8-20% slower (benchmarks/results/speculative_default_gpu_bs64_paired_7ad24e2.md).  Off until
-    # measured in this form; needs EngineConfig.overlap.
+    # sampling's device-side conditional.  With its scanned layer loops this flow made the
+    # default pair at batch 64 8-20% slower (benchmarks/results/speculative_default_gpu_bs64_paired_7ad24e2.md),
+    # for a reason not yet found (neither construct blocks the host at dispatch:
+    # probe_host_sync_gpu_446209e.md).  Off until measured in this form; needs EngineConfig.overlap.
     overlap_admissions: bool = False
 
 
