@@ -1,0 +1,136 @@
+"""Where a speculative round's device time goes, by sampling setting and verify budget.
+
+The cost table prices a round by (batch size, verify budget K).  Whether trimming K can save
+time depends on which of the round's kernels scale with the verified tokens: the target's
+forward over the packed tier does, the drafter's block and the per-request sampling work do
+not.  This profiler builds the compact engine on the embedded pair (or the given pair), sets a
+steady batch at --context, and for each (sampling setting, budget fraction) traces --rounds
+dispatches of the compiled round with ``jax.profiler``: per round the span of its kernels, the
+time they were busy, the gaps between them, and the kernels by total time, beside the wall time
+of a blocked call and the period of calls dispatched back to back.
+
+Sampling settings: ``greedy-variant`` (every request at temperature 0, the greedy round
+executable: no sort, no draws), ``t0`` (temperature 0 through the general executable, as rounds
+run without SpeculativeConfig.greedy_rounds), ``t1`` (temperature 1, no filters), ``t1-topp``
+(temperature 1, top-p 0.9: the same executable and work as t1; kept to show it).
+
+    python benchmarks/profile_round.py --batch-size 64 --fractions 0 0.5 1 --out-dir $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from benchmarks.common import device_kernel_events, environment, time_chain, time_fn, write_results
+from benchmarks.profile_decode_step import summarize
+from benchmarks.profile_sps import steady_inputs
+from dspark_jax.engine import EngineConfig
+from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
+
+# name -> (temperature, top_k, top_p, greedy round executable)
+SETTINGS = {"greedy-variant": (0.0, 0, 1.0, True), "t0": (0.0, 0, 1.0, False), "t1": (1.0, 0, 1.0, False),
+            "t1-topp": (1.0, 0, 0.9, False)}
+
+# Kernel families by name fragment, first match wins (XLA names fusions after their root op).
+FAMILIES = (("sort", "sort"), ("triton", "pallas (attention, norm, kv write)"), ("gemm", "matmul"),
+            ("cublas", "matmul"), ("dot", "matmul"), ("rng", "random bits"), ("threefry", "random bits"),
+            ("memcpy", "copies"), ("memset", "copies"), ("copy", "copies"), ("reduce", "reductions"),
+            ("scatter", "scatter/gather"), ("gather", "scatter/gather"), ("dynamic", "scatter/gather"))
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    return next((fam for frag, fam in FAMILIES if frag in low), "other fusions")
+
+
+def profile_case(eng, bs: int, K: int, setting: str, args) -> dict:
+    temperature, top_k, top_p, greedy = SETTINGS[setting]
+    T, S, inp = steady_inputs(eng, bs, K, args.context)
+    live = np.arange(S) < bs
+    inp = inp._replace(temperature=np.where(live, temperature, 0).astype(np.float32),
+                       top_k=np.where(live, top_k, 0).astype(np.int32),
+                       top_p=np.where(live, top_p, 1).astype(np.float32),
+                       seed=np.arange(S, dtype=np.uint32))
+    call = lambda: eng._run_round(T, S, inp, greedy).results
+    blocked = time_fn(lambda: jax.block_until_ready(call()), warmup=3, iters=args.rounds)
+    chained = time_chain(call, args.rounds)
+    trace_dir = tempfile.mkdtemp(prefix="round-trace-")
+    with jax.profiler.trace(trace_dir):
+        out = None
+        for _ in range(args.rounds):
+            out = call()
+        jax.block_until_ready(out)
+    events = device_kernel_events(trace_dir) if jax.default_backend() == "gpu" else []
+    for i in range(bs):
+        eng.pool.free(("profile", i))
+    fams = collections.defaultdict(float)
+    for name, _, d in events:
+        fams[family(name)] += d / args.rounds / 1e3
+    return {"setting": setting, "bs": bs, "K": K, "tier": T, "blocked_ms": blocked * 1e3, "chained_ms": chained * 1e3,
+            "families_us": dict(sorted(fams.items(), key=lambda kv: -kv[1])),
+            **summarize(events, args.rounds, args.top)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default=None, help="target (default: the embedded model)")
+    ap.add_argument("--draft-model-path", default=None, help="drafter (default: the embedded DSpark drafter)")
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.0, 0.5, 1.0])
+    ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--max-model-len", type=int, default=544, help="as bench_speculative's engines")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--out-dir", action="append", default=[])
+    args = ap.parse_args(argv)
+
+    from dspark_jax.default_model import default_drafter_path, default_model_path
+
+    env = environment()
+    bs = args.batch_size
+    eng = SpeculativeEngine.from_pretrained(
+        args.model_path or default_model_path(), args.draft_model_path or default_drafter_path(),
+        EngineConfig(max_running_requests=bs, max_model_len=args.max_model_len, precompile=False),
+        SpeculativeConfig(mode="compact", greedy_rounds=True))
+    G = eng.gamma
+    cases = [(s, int(round(f * bs * G))) for s in args.settings for f in args.fractions]
+    rows = [profile_case(eng, bs, K, s, args) for s, K in tqdm(cases, desc="cases")]
+    name = f"round_profile_{env['platform']}_bs{bs}{args.tag}"
+    md = [f"# Speculative round profile, batch {bs} ({env['device']}, jax {env['jax']}, {env['date']}, "
+          f"commit {env['commit']})\n",
+          f"Compact engine on the embedded pair (gamma {G}), a steady batch at context {args.context}; "
+          f"{args.rounds} rounds a case.  blocked: wall time of one dispatched-and-waited round; chained: "
+          "period of rounds dispatched back to back; span / busy / gaps: per round from the profiler's "
+          "kernel events (busy = time some kernel ran).  Kernel families in us per round.\n",
+          "| setting | K | tier | blocked ms | chained ms | span us | busy us | gaps us | kernels | families (us) |",
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        fams = ", ".join(f"{k} {v:.0f}" for k, v in r["families_us"].items())
+        md.append(f"| {r['setting']} | {r['K']} | {r['tier']} | {r['blocked_ms']:.3f} | {r['chained_ms']:.3f} | "
+                  f"{r.get('span_us_per_step', float('nan')):.0f} | {r.get('busy_us_per_step', float('nan')):.0f} | "
+                  f"{r.get('gap_us_per_step', float('nan')):.0f} | {r.get('kernels_per_step', float('nan')):.0f} | "
+                  f"{fams} |")
+    for r in rows:
+        if r.get("top_kernels"):
+            md += ["", f"Top kernels, {r['setting']}, K {r['K']} (tier {r['tier']}):", "",
+                   "| kernel | calls/round | us/round |", "|---|---:|---:|"]
+            md += [f"| `{k['name'][:90]}` | {k['calls_per_step']:.0f} | {k['us_per_step']:.1f} |"
+                   for k in r["top_kernels"]]
+    write_results(name, {"env": env, "args": vars(args), "rows": rows}, "\n".join(md) + "\n", args.out_dir)
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
