@@ -72,19 +72,21 @@ def cell_groups(prompts: list[str], bs: int, single: int, waves: int = 1) -> lis
     return [[p] for p in prompts[:single]] if bs == 1 else [prompts[: waves * bs]]
 
 
-def timed_pass(engine, groups, max_new: int) -> tuple[float, list]:
+def timed_pass(engine, groups, max_new: int, sampling=(0.0, 0, 1.0)) -> tuple[float, list]:
+    """One pass over the cell's generate calls; sampling = (temperature, top_k, top_p)."""
     from dspark_jax.sampling import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_new_tokens=max_new)
+    temperature, top_k, top_p = sampling
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new)
     t0 = time.perf_counter()
     results = [r for g in groups for r in engine.generate(g, params)]
     return time.perf_counter() - t0, results
 
 
-def run_cell(engines: dict, groups, max_new: int, repeats: int) -> dict:
+def run_cell(engines: dict, groups, max_new: int, repeats: int, sampling=(0.0, 0, 1.0)) -> dict:
     """Warm every arm up, then `repeats` interleaved timed passes; one row per arm (median pass)."""
     for engine in engines.values():  # host paths, any lazily compiled shape
-        timed_pass(engine, groups, max_new)
+        timed_pass(engine, groups, max_new, sampling)
         stats = getattr(engine, "stats", None)
         for k in ("predicted_step_s", "table_step_s", "measured_step_s", "round_context"):
             if stats is not None and k in stats:
@@ -94,7 +96,7 @@ def run_cell(engines: dict, groups, max_new: int, repeats: int) -> dict:
     results = {}
     for rep in range(repeats):
         for a in arms[rep % len(arms):] + arms[: rep % len(arms)]:
-            wall, results[a] = timed_pass(engines[a], groups, max_new)
+            wall, results[a] = timed_pass(engines[a], groups, max_new, sampling)
             walls[a].append(wall)
     cells = {}
     for a in arms:
@@ -146,6 +148,7 @@ def report(args, env, rows: list[dict]) -> None:
         b = base.get((r["workload"], r["batch"]))
         if b is not None:
             r["speedup_vs_none"] = r["tok_s"] / b["tok_s"]
+        if b is not None and args.temperature == 0:  # sampled outputs follow the same law, not the same draws
             r["same_tokens_as_none"] = r["outputs"] == b["outputs"]
             # Where outputs part: requests that differ, and the first differing token of each.
             firsts = [next((i for i, (x, y) in enumerate(zip(o, g)) if x != y), min(len(o), len(g)))
@@ -158,7 +161,10 @@ def report(args, env, rows: list[dict]) -> None:
     payload = {"env": env, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
     md = [f"# Speculative decoding, embedded default pair ({env['device']}, jax {env['jax']}, {env['date']}, "
           f"commit {env['commit']})\n",
-          f"Temperature 0, {args.max_new_tokens} new tokens per request, {args.split} prompts; batch 1 = "
+          f"Temperature {args.temperature:g}" + (f" (top-k {args.top_k}, top-p {args.top_p:g}; no token "
+                                                   "comparison: sampled outputs follow the target's law, not "
+                                                   "the plain engine's draws)" if args.temperature > 0 else "") +
+          f", {args.max_new_tokens} new tokens per request, {args.split} prompts; batch 1 = "
           f"{args.single_prompts} prompts one after another; batch b > 1 = {args.waves} x b prompts, at most b "
           "running at once (requests: how many the workload had). tok/s = generated tokens / wall time (prefill "
           f"included), median of {args.repeats} passes with the arms interleaved; x none = ratio to the plain "
@@ -232,6 +238,10 @@ def main(argv=None):
     ap.add_argument("--overlap-admissions", type=int, choices=(0, 1), default=0,
                     help="1: DSpark admissions prefilled behind the round in flight with an unrolled prefill "
                          "(SpeculativeConfig.overlap_admissions)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (0: greedy, "
+                    "outputs compared token for token with the plain engine's)")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--tag", default="")
     ap.add_argument("--out-dir", action="append", default=[])
     args = ap.parse_args(argv)
@@ -276,7 +286,8 @@ def main(argv=None):
             for engine in engines.values():
                 engine.set_max_running(bs)
             groups = cell_groups(prompts, bs, args.single_prompts, args.waves)
-            cells = run_cell(engines, groups, args.max_new_tokens, args.repeats)
+            cells = run_cell(engines, groups, args.max_new_tokens, args.repeats,
+                             (args.temperature, args.top_k, args.top_p))
             for arm, cell in cells.items():
                 rows.append({"arm": arm, "workload": workload, "batch": bs, "setup_s": setup[arm], **cell})
                 print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()

@@ -42,7 +42,8 @@ SETTINGS = {"greedy-variant": (0.0, 0, 1.0, True), "t0": (0.0, 0, 1.0, False), "
             "t1-topp": (1.0, 0, 0.9, False)}
 
 # Kernel families by name fragment, first match wins (XLA names fusions after their root op).
-FAMILIES = (("sort", "sort"), ("triton", "pallas (attention, norm, kv write)"), ("gemm", "matmul"),
+FAMILIES = (("sort", "sort"), ("ragged_paged_attention", "attention"), ("write_kv", "kv write (pallas)"),
+            ("triton", "other triton"), ("gemm", "matmul"),
             ("cublas", "matmul"), ("dot", "matmul"), ("rng", "random bits"), ("threefry", "random bits"),
             ("memcpy", "copies"), ("memset", "copies"), ("copy", "copies"), ("reduce", "reductions"),
             ("scatter", "scatter/gather"), ("gather", "scatter/gather"), ("dynamic", "scatter/gather"))
@@ -55,12 +56,7 @@ def family(name: str) -> str:
 
 def profile_case(eng, bs: int, K: int, setting: str, args) -> dict:
     temperature, top_k, top_p, greedy = SETTINGS[setting]
-    T, S, inp = steady_inputs(eng, bs, K, args.context)
-    live = np.arange(S) < bs
-    inp = inp._replace(temperature=np.where(live, temperature, 0).astype(np.float32),
-                       top_k=np.where(live, top_k, 0).astype(np.int32),
-                       top_p=np.where(live, top_p, 1).astype(np.float32),
-                       seed=np.arange(S, dtype=np.uint32))
+    T, S, inp = steady_inputs(eng, bs, K, args.context, (temperature, top_k, top_p))
     call = lambda: eng._run_round(T, S, inp, greedy).results
     blocked = time_fn(lambda: jax.block_until_ready(call()), warmup=3, iters=args.rounds)
     chained = time_chain(call, args.rounds)

@@ -44,8 +44,9 @@ from dspark_jax.speculative.cost_model import fit_additive_cost
 from dspark_jax.speculative.step import SpecInputs
 
 
-def steady_inputs(eng: SpeculativeEngine, bs: int, K: int, context: int):
-    """Inputs for bs requests whose anchors sit at `context`, pages reserved, budget K."""
+def steady_inputs(eng: SpeculativeEngine, bs: int, K: int, context: int, sampling=(0.0, 0, 1.0)):
+    """Inputs for bs requests whose anchors sit at `context`, pages reserved, budget K, every
+    request with sampling = (temperature, top_k, top_p) and its own seed."""
     T = eng.tiers.tier_for(bs, K)
     S = min(T, eng.ec.max_running_requests)
     P = eng.pages_per_seq
@@ -54,18 +55,27 @@ def steady_inputs(eng: SpeculativeEngine, bs: int, K: int, context: int):
         eng.pool.reserve(("profile", i), context + eng.lookahead)
         table[i] = eng.pool.page_table_row(("profile", i), P)
     live = np.arange(S) < bs
-    z = lambda dt: np.zeros(S, dt)
-    inp = SpecInputs(np.where(live, 5, 0).astype(np.int32), np.where(live, context, 0).astype(np.int32), table, live,
-                     np.int32(bs), np.int32(K), z(np.float32), z(np.int32), np.ones(S, np.float32), z(np.uint32),
+    temperature, top_k, top_p = sampling
+    per_row = lambda x, pad, dt: np.where(live, x, pad).astype(dt)
+    inp = SpecInputs(per_row(5, 0, np.int32), per_row(context, 0, np.int32), table, live,
+                     np.int32(bs), np.int32(K), per_row(temperature, 0, np.float32), per_row(top_k, 0, np.int32),
+                     per_row(top_p, 1, np.float32), np.arange(S, dtype=np.uint32),
                      *eng._no_feed, np.full(S, -1, np.int32), np.full((S, eng.gamma + 1, 0), -1, np.int32))
     return T, S, inp
 
 
+def round_variant(eng: SpeculativeEngine, temperature: float) -> bool:
+    """Whether the engine runs these rounds with its greedy executable (as _dispatch_round picks)."""
+    return bool(eng.spec.greedy_rounds and temperature == 0)
+
+
 def device_round_seconds(eng: SpeculativeEngine, bs: int, K: int, args) -> tuple[int, float]:
     """(tier, median seconds) of the compiled round alone on a steady batch."""
-    T, S, inp = steady_inputs(eng, bs, K, args.context)
+    T, S, inp = steady_inputs(eng, bs, K, args.context, (args.temperature, args.top_k, args.top_p))
+    greedy = round_variant(eng, args.temperature)
+
     def run():  # as the engine dispatches it: the host inputs packed into one transfer
-        jax.block_until_ready(eng._run_round(T, S, inp).results)
+        jax.block_until_ready(eng._run_round(T, S, inp, greedy).results)
 
     t = time_fn(run, warmup=3, iters=args.iters)
     for i in range(bs):
@@ -78,7 +88,8 @@ def engine_round_seconds(eng: SpeculativeEngine, bs: int, K: int, args, rng) -> 
     G = eng.gamma
     eng.spec.forced_budget = K
     rounds = args.warmup + args.iters
-    params = SamplingParams(max_new_tokens=(rounds + 4) * (G + 1), ignore_eos=True)
+    params = SamplingParams(max_new_tokens=(rounds + 4) * (G + 1), ignore_eos=True, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p)
     vocab = eng.config.vocab_size
     ids = [eng.add_request(rng.integers(10, vocab, size=args.context).tolist(), params) for _ in range(bs)]
     reqs = [eng.get_request(i) for i in ids]
@@ -114,6 +125,14 @@ def main(argv=None):
     ap.add_argument("--unconstrained", action="store_true",
                     help="plain OLS; default: alpha and theta constrained non-decreasing (cost_model.fit_additive_cost)")
     ap.add_argument("--max-model-len", type=int, default=544, help="as bench_speculative's engines (384 + 128 + 32)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="every profiled request's sampling settings: "
+                    "a sampling round costs more than a greedy one (its vocabulary sort), so profile the temperature "
+                    "you serve")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--greedy-rounds", type=int, choices=(0, 1), default=0,
+                    help="SpeculativeConfig.greedy_rounds of the profiled engine (as the served engine's)")
+    ap.add_argument("--lazy-compile", action="store_true", help="compile only the shapes the grid uses")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out-dir", action="append", default=[])
     args = ap.parse_args(argv)
@@ -125,7 +144,8 @@ def main(argv=None):
     # compilation cache, and the table prices the executables the benchmark then runs.
     eng = SpeculativeEngine.from_pretrained(
         args.model_path, args.draft_model_path,
-        EngineConfig(max_running_requests=mx, max_model_len=args.max_model_len), SpeculativeConfig(mode="compact"))
+        EngineConfig(max_running_requests=mx, max_model_len=args.max_model_len, precompile=not args.lazy_compile),
+        SpeculativeConfig(mode="compact", greedy_rounds=bool(args.greedy_rounds)))
     G = eng.gamma
     print(f"engine compiled in {eng.compile_seconds:.0f} s ({len(eng.tiers.tiers)} token tiers)", flush=True)
     need = args.context + (args.warmup + args.iters + 4) * (G + 1) + eng.lookahead
@@ -147,7 +167,10 @@ def main(argv=None):
     for c, p in zip(cells, fit.predicted_seconds):
         c["predicted_seconds"] = float(p)
     rel = np.abs(fit.residual_seconds) / np.array([c["seconds"] for c in cells])
+    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                "greedy_rounds": bool(args.greedy_rounds), "greedy_executable": round_variant(eng, args.temperature)}
     payload = {"env": env, "method": args.method, "gamma": G, "context": args.context, "repeats": args.repeats,
+               "sampling": sampling,
                "monotone": not args.unconstrained, "cells": cells, "table": fit.table.to_dict(),
                "rms_seconds": fit.rms_seconds, "r_squared": fit.r_squared, "max_relative_error": float(rel.max()),
                "median_relative_error": float(np.median(rel))}
@@ -159,6 +182,8 @@ def main(argv=None):
     md = [f"# SPS cost table ({env['device']}, jax {env['jax']}, {env['date']}, commit {env['commit']})\n",
           f"method {args.method} (engine: round period in the engine's own loop, host work included; "
           f"device: the round executable alone); gamma {G}, context {args.context}, {args.repeats} sweeps; "
+          f"temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}, "
+          f"{'greedy' if sampling['greedy_executable'] else 'sampling'} round executable; "
           f"{'OLS' if args.unconstrained else 'alpha, theta non-decreasing'}; fit R^2 {fit.r_squared:.4f}, median |pred-meas|/meas "
           f"{np.median(rel):.1%}, max {rel.max():.1%}.\n",
           "| sweep | bs | K | M | tier | measured ms | predicted ms |", "|---:|---:|---:|---:|---:|---:|---:|"]

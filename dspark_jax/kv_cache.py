@@ -2,7 +2,12 @@
 
 Shape [L, num_pages, page_size, Hkv, head_dim] (vLLM's page layout, layer-major so a scan over
 layers indexes it).  Page 0 is a sentinel that the host allocator never hands out: padding rows
-of a shape bucket write there and nothing ever reads it.  The buffers are donated into every
+of a shape bucket write there and nothing ever reads it.  Rows whose write the XLA scatter
+(write_kv_pages) should skip altogether point past the cache instead (``KVCache.drop_slot``):
+many rows aimed at the sentinel's few slots make the scatter's writes collide, and on the H200
+a speculative round's draft-context write, whose rejected rows all went to the sentinel, took
+10x longer with most rows rejected than with most accepted
+(benchmarks/results/round_profile_gpu_bs64_fbc8ba2.md).  The buffers are donated into every
 jitted step, so XLA updates them in place instead of copying the cache each step.
 """
 
@@ -27,6 +32,11 @@ class KVCache(NamedTuple):
     @property
     def page_size(self) -> int:
         return self.k.shape[2]
+
+    @property
+    def drop_slot(self) -> int:
+        """A slot past the last page: write_kv_pages drops a row written there."""
+        return self.num_pages * self.page_size
 
 
 def kv_cache_shape(config: Qwen3Config, num_pages: int, page_size: int) -> tuple[int, ...]:

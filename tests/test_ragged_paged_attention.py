@@ -334,6 +334,26 @@ def test_op_dispatch_and_kv_write():
         ragged_paged_attention_op(q, k2, v2, kvl, table, cu, ns, sm_scale=0.1, backend="cuda")
 
 
+def test_kv_write_drops_rows_aimed_past_the_cache():
+    """Rows at slot num_pages * page_size or beyond (KVCache.drop_slot) write nothing; the others
+    land at their slots, layer by layer, as a hand-written loop puts them."""
+    rng = np.random.default_rng(4)
+    L, N, ps, hkv, d = 2, 5, 4, 2, 8
+    k = jnp.asarray(rng.standard_normal((L, N, ps, hkv, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((L, N, ps, hkv, d)), jnp.float32)
+    slots = np.array([5, N * ps, 9, N * ps + 7, 19, N * ps], np.int32)  # three real rows, three dropped
+    new_k = rng.standard_normal((len(slots), hkv, d)).astype(np.float32)
+    new_v = rng.standard_normal((len(slots), hkv, d)).astype(np.float32)
+    k2, v2 = write_kv_pages_reference(k, v, jnp.asarray(new_k), jnp.asarray(new_v), jnp.asarray(slots),
+                                      layer=jnp.int32(1))
+    want_k, want_v = np.array(k), np.array(v)
+    for row, s in enumerate(slots):
+        if s < N * ps:
+            want_k[1, s // ps, s % ps], want_v[1, s // ps, s % ps] = new_k[row], new_v[row]
+    np.testing.assert_array_equal(np.asarray(k2), want_k)
+    np.testing.assert_array_equal(np.asarray(v2), want_v)
+
+
 # --------------------------------------------------------------------------- static checks
 
 

@@ -95,3 +95,31 @@ def test_front_pack_equals_host_packing_and_unpack_restores_rows():
     for r in range(S):
         np.testing.assert_array_equal(strided[r, : lens[r]], np.asarray(rows)[cu[r] : cu[r] + lens[r]])
         assert (strided[r, lens[r]:] == 0).all()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_target_probs_on_packed_rows_equal_the_per_request_rows(seed):
+    """A verify step filters the target's packed rows (each row with its request's temperature,
+    top-k, top-p) and spreads the probabilities per request; on every verified row that must be
+    exactly the filtered distribution of the per-request logits (the plain-jnp sampling filter)."""
+    from dspark_jax.sampling import _filtered_logits
+    from dspark_jax.speculative.acceptance import target_probs
+
+    rng = np.random.default_rng(seed)
+    S, W, V, T = 6, G + 1, 11, 48
+    lens = rng.integers(0, W + 1, S).astype(np.int32)
+    temp = rng.choice([0.0, 0.5, 1.0, 1.7], S).astype(np.float32)
+    top_k = rng.choice([0, 1, 3, 7], S).astype(np.int32)
+    top_p = rng.choice([1.0, 0.9, 0.5], S).astype(np.float32)
+    packed = jnp.asarray(rng.standard_normal((T, V)) * 2, jnp.float32)
+    req, _, _ = packed_rows(jnp.asarray(lens), T)
+    got = np.asarray(unpack_rows(target_probs(packed, jnp.asarray(temp)[req], jnp.asarray(top_k)[req],
+                                              jnp.asarray(top_p)[req]), jnp.asarray(lens), W))
+    per_request = np.asarray(unpack_rows(packed, jnp.asarray(lens), W))  # [S, W, V] logits
+    for r in range(S):
+        for i in range(lens[r]):
+            filt = _filtered_logits(jnp.asarray(per_request[r, i][None]), jnp.asarray(temp[r:r + 1]),
+                                    jnp.asarray(top_k[r:r + 1]), jnp.asarray(top_p[r:r + 1]))
+            want = np.exp(filt - filt.max()) / np.exp(filt - filt.max()).sum()
+            np.testing.assert_allclose(got[r, i], np.asarray(want)[0], rtol=1e-5, atol=1e-7)
+        assert not got[r, lens[r]:].any()  # rows past a window stay empty

@@ -28,6 +28,16 @@ import jax.numpy as jnp
 from dspark_jax.sampling import _filtered_logits
 
 
+def target_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """p per row: logits [N, V] and each row's own settings [N] -> the filtered, tempered
+    distribution [N, V] fp32.  Its top-k / top-p filter sorts the vocabulary of every row, the
+    costliest work of a sampling round (a third of a batch-64 round on the H200,
+    benchmarks/results/round_profile_gpu_bs64_fbc8ba2.md), so a verify step applies it to the
+    rows it verified, front-packed, before spreading them per request: the work then shrinks
+    with the verify budget."""
+    return jax.nn.softmax(_filtered_logits(logits.astype(jnp.float32), temperature, top_k, top_p), axis=-1)
+
+
 class Acceptance(NamedTuple):
     num_accepted: jax.Array  # [S] int32 drafts accepted (a)
     bonus: jax.Array  # [S] int32 token committed after them
@@ -47,6 +57,7 @@ def verify(
     commit_cap: jax.Array | None = None,
     draft_temperature: jax.Array | None = None,
     greedy: bool = False,
+    probs: jax.Array | None = None,
 ) -> Acceptance:
     """target_logits [S, W, V] (row i after verify input i; rows >= verify_lens are ignored),
     draft_tokens [S, gamma], draft_logits [S, gamma, V] (corrected, untempered), verify_lens [S]
@@ -57,7 +68,9 @@ def verify(
     draft_temperature [S]: the temperature the drafts were sampled at (default: the target's),
     which q must use for the accept ratio and the residual to stay exact.
     greedy (static): every row has temperature 0, so the exact-match rule alone, without the
-    filtered target distribution (a sort over the vocabulary per row), q or random draws."""
+    filtered target distribution (a sort over the vocabulary per row), q or random draws.
+    probs [S, W, V]: that distribution already computed (``target_probs`` of each row, e.g. on
+    the packed rows of a verify step); None: computed here from target_logits."""
     S, W, V = target_logits.shape
     G = draft_tokens.shape[1]
     verified = jnp.arange(G)[None, :] < (verify_lens - 1)[:, None]
@@ -74,11 +87,10 @@ def verify(
         block_accept, a = accepted(greedy_ok)
         return Acceptance(a.astype(jnp.int32), greedy_bonus(a), block_accept)
     greedy_row = temperature <= 0
-    # Target distribution per row, with the request's filters (flatten rows for the filter).
-    rep = lambda x: jnp.repeat(x, W)
-    filt = _filtered_logits(target_logits.reshape(S * W, V).astype(jnp.float32), rep(temperature),
-                            rep(top_k), rep(top_p)).reshape(S, W, V)
-    p = jax.nn.softmax(filt, axis=-1)
+    if probs is None:  # target distribution per row, with the request's filters (rows flattened)
+        rep = lambda x: jnp.repeat(x, W)
+        probs = target_probs(target_logits.reshape(S * W, V), rep(temperature), rep(top_k), rep(top_p)).reshape(S, W, V)
+    p = probs
     t_draft = temperature if draft_temperature is None else draft_temperature
     q = jax.nn.softmax(draft_logits.astype(jnp.float32) / jnp.maximum(t_draft, 1e-6)[:, None, None], axis=-1)
     k_accept, k_bonus = jax.vmap(lambda k: jax.random.split(k, 2), out_axes=1)(keys)

@@ -43,7 +43,7 @@ from dspark_jax.drafter.model import sample_block
 from dspark_jax.forward_batch import ForwardBatch
 from dspark_jax.kv_cache import KVCache
 from dspark_jax.sampling import sample
-from dspark_jax.speculative.acceptance import verify
+from dspark_jax.speculative.acceptance import target_probs, verify
 from dspark_jax.speculative.packing import front_pack, packed_rows, topk_verify_lens, unpack_rows
 
 MODES = ("static", "compact", "cap-accept")
@@ -91,14 +91,15 @@ def _keys(seed, position, stream: int):
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(s), p), stream))(seed, position)
 
 
-def block_batch(inp: SpecInputs, gamma: int, mask_token: int, page_size: int) -> ForwardBatch:
+def block_batch(inp: SpecInputs, gamma: int, mask_token: int, page_size: int, drop_slot: int) -> ForwardBatch:
     """[anchor, MASK x (gamma-1)] per live request at anchor position + k."""
     S = inp.anchor.shape[0]
     k = jnp.arange(gamma, dtype=jnp.int32)
     ids = jnp.where(k[None] == 0, inp.anchor[:, None], mask_token)
     pos = inp.start[:, None] + k[None]
     page = jnp.take_along_axis(inp.page_table, jnp.clip(pos // page_size, 0, inp.page_table.shape[1] - 1), axis=1)
-    slot = jnp.where(inp.live[:, None], page * page_size + pos % page_size, k[None] % page_size)
+    # Padding requests' rows are not written (drop_slot; they are never read: kv_lens 0).
+    slot = jnp.where(inp.live[:, None], page * page_size + pos % page_size, drop_slot)
     lens = jnp.where(inp.live, gamma, 0).astype(jnp.int32)
     return ForwardBatch(
         input_ids=jnp.where(inp.live[:, None], ids, 0).reshape(-1).astype(jnp.int32),
@@ -148,7 +149,7 @@ def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCa
                        start=jnp.where(fed, inp.fed_start[row], inp.start))
 
     # 1. Draft.
-    blk = block_batch(inp, G, cfg.mask_token_id, page_size)
+    blk = block_batch(inp, G, cfg.mask_token_id, page_size, dcache.drop_slot)
     h, base, dcache = drafter.draft_block(target, dcache, blk, backend=backend, unroll=unroll)
     bs = sample_block(drafter, h.reshape(S, G, -1), base.reshape(S, G, -1), inp.anchor, draft_temperature,
                       _keys(inp.seed, inp.start, 1), unroll=unroll, greedy=greedy)
@@ -164,16 +165,19 @@ def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCa
                     num_tokens=num_tokens, page_size=page_size)
     out = target(tcache, fb, tap_layers=cfg.target_layer_ids, backend=backend, **dict(target_options))
     logits = unpack_rows(out.logits, verify_lens, G + 1)
+    req, within, valid = packed_rows(verify_lens, num_tokens)
 
-    # 4. Accept.
+    # 4. Accept.  The target's filtered distribution is computed on the packed rows (its
+    # vocabulary sort then costs what the tier verifies, not the full block of every request).
+    probs = None if greedy else unpack_rows(
+        target_probs(out.logits, inp.temperature[req], inp.top_k[req], inp.top_p[req]), verify_lens, G + 1)
     acc = verify(logits, bs.tokens, bs.logits, jnp.maximum(verify_lens, 1), inp.temperature, inp.top_k, inp.top_p,
                  _keys(inp.seed, inp.start, 2), commit_cap=window if mode == "cap-accept" else None,
-                 draft_temperature=draft_temperature, greedy=greedy)
+                 draft_temperature=draft_temperature, greedy=greedy, probs=probs)
 
     # 5. Rows anchor..a of each request become draft context (their target hidden states).
-    req, within, valid = packed_rows(verify_lens, num_tokens)
     keep = valid & (within <= acc.num_accepted[req])
-    ctx_slots = jnp.where(keep, fb.slot_mapping, jnp.arange(num_tokens) % page_size)
+    ctx_slots = jnp.where(keep, fb.slot_mapping, dcache.drop_slot)  # rejected and padding rows: not written
     dcache = drafter.extend_context(dcache, out.taps, fb.positions, ctx_slots, unroll=unroll)
     pad = lambda x: jnp.zeros(inp.fed_anchor.shape, jnp.int32).at[:S].set(jnp.where(inp.live, x, 0).astype(jnp.int32))
     est = (estimator_log_probs(bs.logits, bs.tokens, logits, verify_lens, inp.probes, inp.temperature,
@@ -193,7 +197,9 @@ def prefill_step(target_def, drafter_def, target_state, drafter_state, tcache: K
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state)
     out = target(tcache, batch, tap_layers=drafter.config.target_layer_ids, backend=backend, **dict(target_options))
-    dcache = drafter.extend_context(dcache, out.taps, batch.positions, batch.slot_mapping, unroll=unroll)
+    # Padding rows (sentinel-page slots) are dropped from the draft cache's scatter, not collided.
+    ctx_slots = jnp.where(batch.slot_mapping >= dcache.page_size, batch.slot_mapping, dcache.drop_slot)
+    dcache = drafter.extend_context(dcache, out.taps, batch.positions, ctx_slots, unroll=unroll)
     return sample(out.logits, *sampling, variant=sample_variant), out.cache, dcache
 
 

@@ -128,7 +128,9 @@ def write_kv_pages_reference(
     """Scatter new K/V rows [T, Hkv, D] into their cache slots (slot = page * page_size + offset).
 
     Padding rows carry a slot inside the reserved sentinel page 0, which no sequence owns, so
-    they never touch a real entry.  With the caches donated, XLA performs the scatter in place.
+    they never touch a real entry; a slot at or past num_pages * page_size is not written at all
+    (rows that must not write, without colliding on the sentinel's few slots).  With the caches
+    donated, XLA performs the scatter in place.
     """
     page_size = k_pages.shape[-3]
     page, off = slot_mapping // page_size, slot_mapping % page_size
@@ -136,6 +138,6 @@ def write_kv_pages_reference(
         idx = (page, off)
     else:
         idx = (jnp.reshape(layer, ()).astype(jnp.int32), page, off)
-    k_pages = k_pages.at[idx].set(new_k.astype(k_pages.dtype), mode="promise_in_bounds")
-    v_pages = v_pages.at[idx].set(new_v.astype(v_pages.dtype), mode="promise_in_bounds")
+    k_pages = k_pages.at[idx].set(new_k.astype(k_pages.dtype), mode="drop")
+    v_pages = v_pages.at[idx].set(new_v.astype(v_pages.dtype), mode="drop")
     return k_pages, v_pages
