@@ -23,6 +23,7 @@ import argparse
 import collections
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -77,6 +78,47 @@ def profile_case(eng, bs: int, K: int, setting: str, args) -> dict:
             **summarize(events, args.rounds, args.top)}
 
 
+PIPELINES = {  # name -> (feed the previous round's anchors, read each round's results)
+    "chain": (False, False), "feed": (True, False), "read": (False, True), "engine": (True, True)}
+
+
+def pipeline_case(eng, bs: int, K: int, setting: str, rounds: int) -> dict:
+    """The serving loop's pattern without its Python: round t+1 is dispatched while round t is in
+    flight (its outputs still held), optionally fed round t's next anchors and positions (device
+    arrays not yet computed, as the engine feeds them), then round t's results optionally read
+    (one device-to-host copy, started at dispatch).  Per pattern: median host time of the
+    dispatch call, of the read, and the period between reads."""
+    temperature, top_k, top_p, greedy = SETTINGS[setting]
+    T, S, inp = steady_inputs(eng, bs, K, 256, (temperature, top_k, top_p))
+    out = {}
+    for name, (feed, read) in PIPELINES.items():
+        fed_inp = inp._replace(fed_index=np.where(np.arange(S) < bs, np.arange(S), -1).astype(np.int32)) if feed else inp
+        prev = eng._run_round(T, S, inp, greedy)
+        jax.block_until_ready(prev.results)
+        dispatch, reads, periods, last = [], [], [], time.perf_counter()
+        for _ in range(rounds):
+            step_inp = fed_inp._replace(fed_anchor=prev.next_anchor, fed_start=prev.next_start) if feed else inp
+            t0 = time.perf_counter()
+            cur = eng._run_round(T, S, step_inp, greedy)
+            cur.results.copy_to_host_async()
+            t1 = time.perf_counter()
+            if read:
+                jax.device_get(prev.results)
+            else:
+                jax.block_until_ready(prev.results)
+            t2 = time.perf_counter()
+            dispatch.append(t1 - t0)
+            reads.append(t2 - t1)
+            periods.append(t2 - last)
+            last, prev = t2, cur
+        jax.block_until_ready(prev.results)
+        out[name] = {"dispatch_ms": float(np.median(dispatch)) * 1e3, "wait_or_read_ms": float(np.median(reads)) * 1e3,
+                     "period_ms": float(np.median(periods[2:])) * 1e3}
+    for i in range(bs):
+        eng.pool.free(("profile", i))
+    return {"setting": setting, "bs": bs, "K": K, "tier": T, "pipelines": out}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None, help="target (default: the embedded model)")
@@ -103,6 +145,7 @@ def main(argv=None):
     G = eng.gamma
     cases = [(s, int(round(f * bs * G))) for s in args.settings for f in args.fractions]
     rows = [profile_case(eng, bs, K, s, args) for s, K in tqdm(cases, desc="cases")]
+    pipes = [pipeline_case(eng, bs, K, s, 4 * args.rounds) for s, K in tqdm(cases, desc="pipelines")]
     name = f"round_profile_{env['platform']}_bs{bs}{args.tag}"
     md = [f"# Speculative round profile, batch {bs} ({env['device']}, jax {env['jax']}, {env['date']}, "
           f"commit {env['commit']})\n",
@@ -118,13 +161,22 @@ def main(argv=None):
                   f"{r.get('span_us_per_step', float('nan')):.0f} | {r.get('busy_us_per_step', float('nan')):.0f} | "
                   f"{r.get('gap_us_per_step', float('nan')):.0f} | {r.get('kernels_per_step', float('nan')):.0f} | "
                   f"{fams} |")
+    md += ["", "The serving loop's pattern without its Python (round t+1 dispatched while round t is in flight): "
+           "chain = back to back; feed = fed round t's next anchors and positions on the device; read = round t's "
+           "results read to the host after the dispatch; engine = both.  Median ms of the dispatch call / of the "
+           "wait or read of round t / of the period.", "",
+           "| setting | K | tier | " + " | ".join(PIPELINES) + " |", "|---|---:|---:|" + "---|" * len(PIPELINES)]
+    for r in pipes:
+        cells = [f"{p['dispatch_ms']:.3f} / {p['wait_or_read_ms']:.3f} / {p['period_ms']:.3f}"
+                 for p in r["pipelines"].values()]
+        md.append(f"| {r['setting']} | {r['K']} | {r['tier']} | " + " | ".join(cells) + " |")
     for r in rows:
         if r.get("top_kernels"):
             md += ["", f"Top kernels, {r['setting']}, K {r['K']} (tier {r['tier']}):", "",
                    "| kernel | calls/round | us/round |", "|---|---:|---:|"]
             md += [f"| `{k['name'][:90]}` | {k['calls_per_step']:.0f} | {k['us_per_step']:.1f} |"
                    for k in r["top_kernels"]]
-    write_results(name, {"env": env, "args": vars(args), "rows": rows}, "\n".join(md) + "\n", args.out_dir)
+    write_results(name, {"env": env, "args": vars(args), "rows": rows, "pipelines": pipes}, "\n".join(md) + "\n", args.out_dir)
     print("\n".join(md))
 
 
