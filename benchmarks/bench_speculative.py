@@ -45,7 +45,8 @@ from benchmarks.step_prediction import prediction_summary
 ARMS = ("none", "static", "compact+table", "compact", "mtp")  # run order: the goals' arms first
 
 
-def build_engine(arm: str, target, ec, table, greedy_rounds: bool = False, overlap_admissions: bool = False):
+def build_engine(arm: str, target, ec, table, greedy_rounds: bool = False, overlap_admissions: bool = False,
+                 rounds_per_call: int = 1):
     from dspark_jax.default_model import default_drafter_path, default_mtp_path
     from dspark_jax.engine import Engine
     from dspark_jax.engine.mtp_engine import MTPEngine
@@ -62,7 +63,7 @@ def build_engine(arm: str, target, ec, table, greedy_rounds: bool = False, overl
     # missed the median round by 10-13% at weight 0.1 and 7-10% at 0.3 (host-bound rounds drift).
     spec = SpeculativeConfig(mode=mode, cost_table=table if with_table else None,
                              step_time_correction=0.3 if with_table else None, greedy_rounds=greedy_rounds,
-                             overlap_admissions=overlap_admissions)
+                             overlap_admissions=overlap_admissions, rounds_per_call=rounds_per_call)
     return SpeculativeEngine.from_pretrained(target, default_drafter_path(), ec, spec)
 
 
@@ -178,7 +179,8 @@ def report(args, env, rows: list[dict]) -> None:
           f"Engines in {args.dtype or 'the checkpoint dtype'}, matmul precision {args.matmul_precision or 'default'}, "
           f"execution {args.execution}, sampling variants {'on' if args.sampling_variants else 'off'}, "
           f"greedy rounds {'on' if args.greedy_rounds else 'off'}, "
-          f"overlapped admissions {'on' if args.overlap_admissions else 'off'}.\n",
+          f"overlapped admissions {'on' if args.overlap_admissions else 'off'}, "
+          f"{args.rounds_per_call} DSpark round(s) per dispatch.\n",
           "| workload | batch | requests | arm | tok/s | x none | x static paired | accept | window | "
           "step pred (table) / meas ms | same tokens |",
           "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -238,6 +240,8 @@ def main(argv=None):
     ap.add_argument("--overlap-admissions", type=int, choices=(0, 1), default=0,
                     help="1: DSpark admissions prefilled behind the round in flight with an unrolled prefill "
                          "(SpeculativeConfig.overlap_admissions)")
+    ap.add_argument("--rounds-per-call", type=int, default=1,
+                    help="DSpark rounds per dispatch (SpeculativeConfig.rounds_per_call)")
     ap.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (0: greedy, "
                     "outputs compared token for token with the plain engine's)")
     ap.add_argument("--top-k", type=int, default=0)
@@ -278,7 +282,8 @@ def main(argv=None):
     for arm in arms:
         t0 = time.perf_counter()
         engines[arm] = build_engine(arm, target, ec, table, greedy_rounds=bool(args.greedy_rounds),
-                                    overlap_admissions=bool(args.overlap_admissions))
+                                    overlap_admissions=bool(args.overlap_admissions),
+                                    rounds_per_call=args.rounds_per_call)
         setup[arm] = time.perf_counter() - t0
     rows = []
     for workload, prompts in sorted(by_workload.items()):

@@ -58,7 +58,8 @@ def steady_inputs(eng: SpeculativeEngine, bs: int, K: int, context: int, samplin
     temperature, top_k, top_p = sampling
     per_row = lambda x, pad, dt: np.where(live, x, pad).astype(dt)
     inp = SpecInputs(per_row(5, 0, np.int32), per_row(context, 0, np.int32), table, live,
-                     np.int32(bs), np.int32(K), per_row(temperature, 0, np.float32), per_row(top_k, 0, np.int32),
+                     np.int32(bs), np.full(eng.rounds, K, np.int32), per_row(temperature, 0, np.float32),
+                     per_row(top_k, 0, np.int32),
                      per_row(top_p, 1, np.float32), np.arange(S, dtype=np.uint32),
                      *eng._no_feed, np.full(S, -1, np.int32), np.full((S, eng.gamma + 1, 0), -1, np.int32))
     return T, S, inp
@@ -77,7 +78,7 @@ def device_round_seconds(eng: SpeculativeEngine, bs: int, K: int, args) -> tuple
     def run():  # as the engine dispatches it: the host inputs packed into one transfer
         jax.block_until_ready(eng._run_round(T, S, inp, greedy).results)
 
-    t = time_fn(run, warmup=3, iters=args.iters)
+    t = time_fn(run, warmup=3, iters=args.iters) / eng.rounds  # a call runs eng.rounds rounds
     for i in range(bs):
         eng.pool.free(("profile", i))
     return T, t
@@ -133,6 +134,8 @@ def main(argv=None):
     ap.add_argument("--greedy-rounds", type=int, choices=(0, 1), default=0,
                     help="SpeculativeConfig.greedy_rounds of the profiled engine (as the served engine's)")
     ap.add_argument("--lazy-compile", action="store_true", help="compile only the shapes the grid uses")
+    ap.add_argument("--rounds-per-call", type=int, default=1, help="SpeculativeConfig.rounds_per_call (as served); "
+                    "the engine method then records each round as its call's period over its rounds")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out-dir", action="append", default=[])
     args = ap.parse_args(argv)
@@ -145,7 +148,7 @@ def main(argv=None):
     eng = SpeculativeEngine.from_pretrained(
         args.model_path, args.draft_model_path,
         EngineConfig(max_running_requests=mx, max_model_len=args.max_model_len, precompile=not args.lazy_compile),
-        SpeculativeConfig(mode="compact", greedy_rounds=bool(args.greedy_rounds)))
+        SpeculativeConfig(mode="compact", greedy_rounds=bool(args.greedy_rounds), rounds_per_call=args.rounds_per_call))
     G = eng.gamma
     print(f"engine compiled in {eng.compile_seconds:.0f} s ({len(eng.tiers.tiers)} token tiers)", flush=True)
     need = args.context + (args.warmup + args.iters + 4) * (G + 1) + eng.lookahead
@@ -168,7 +171,8 @@ def main(argv=None):
         c["predicted_seconds"] = float(p)
     rel = np.abs(fit.residual_seconds) / np.array([c["seconds"] for c in cells])
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-                "greedy_rounds": bool(args.greedy_rounds), "greedy_executable": round_variant(eng, args.temperature)}
+                "greedy_rounds": bool(args.greedy_rounds), "greedy_executable": round_variant(eng, args.temperature),
+                "rounds_per_call": args.rounds_per_call}
     payload = {"env": env, "method": args.method, "gamma": G, "context": args.context, "repeats": args.repeats,
                "sampling": sampling,
                "monotone": not args.unconstrained, "cells": cells, "table": fit.table.to_dict(),
@@ -183,7 +187,8 @@ def main(argv=None):
           f"method {args.method} (engine: round period in the engine's own loop, host work included; "
           f"device: the round executable alone); gamma {G}, context {args.context}, {args.repeats} sweeps; "
           f"temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}, "
-          f"{'greedy' if sampling['greedy_executable'] else 'sampling'} round executable; "
+          f"{'greedy' if sampling['greedy_executable'] else 'sampling'} round executable, "
+          f"{args.rounds_per_call} round(s) per dispatch; "
           f"{'OLS' if args.unconstrained else 'alpha, theta non-decreasing'}; fit R^2 {fit.r_squared:.4f}, median |pred-meas|/meas "
           f"{np.median(rel):.1%}, max {rel.max():.1%}.\n",
           "| sweep | bs | K | M | tier | measured ms | predicted ms |", "|---:|---:|---:|---:|---:|---:|---:|"]

@@ -66,10 +66,13 @@ TABLE = AdditiveCostTable(bias_seconds=1e-3, bs_probes=(1, 4), alpha_seconds=(0.
                           m_probes=(1, 8, 40), theta_seconds=(0.0, 4e-3, 3e-2))
 
 
-@pytest.mark.parametrize("mode, table", [("static", None), ("compact", None), ("compact", TABLE), ("cap-accept", TABLE)])
-def test_greedy_speculation_equals_plain_greedy(pair, plain, mode, table):
+@pytest.mark.parametrize("mode, table, rounds", [("static", None, 1), ("compact", None, 1), ("compact", TABLE, 1),
+                                                ("cap-accept", TABLE, 1), ("static", None, 2), ("compact", TABLE, 3)])
+def test_greedy_speculation_equals_plain_greedy(pair, plain, mode, table, rounds):
+    """rounds: rounds per dispatch (rounds_per_call), each fed by the one before on the device."""
     target, tok, drafter = pair
-    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC), SpeculativeConfig(mode=mode, cost_table=table))
+    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC),
+                            SpeculativeConfig(mode=mode, cost_table=table, rounds_per_call=rounds))
     prompts = _prompts(target.config.vocab_size, 7, seed=hash(mode) % 100)
     got = eng.generate(prompts, GREEDY)
     want = plain.generate(prompts, GREEDY)
@@ -79,6 +82,8 @@ def test_greedy_speculation_equals_plain_greedy(pair, plain, mode, table):
     acc = np.asarray(eng.stats["accept_lens"])
     vl = np.asarray(eng.stats["verify_lens"])
     assert acc.max() >= 3  # real multi-token speculation happened
+    assert len(eng.stats["round_log"]) == eng.stats["rounds"] and eng._step == eng.stats["rounds"]
+    assert eng.scheduler_conf.lag == max(2, 2 * rounds)  # each round's budget from survival already read
     if table is None or mode == "static":
         assert (vl == drafter.config.block_size + 1).all()
         assert acc.mean() > 1.3 and acc.max() == drafter.config.block_size + 1
@@ -157,13 +162,15 @@ def test_requests_done_at_their_first_token_free_their_slot(pair, plain):
     assert [r.token_ids for r in eng.generate(prompts[:6], GREEDY)] == [r.token_ids for r in plain.generate(prompts[:6], GREEDY)]
 
 
-@pytest.mark.parametrize("mode", ["static", "compact"])
-def test_overlap_survives_requests_leaving_the_batch(pair, plain, mode):
+@pytest.mark.parametrize("mode, rounds", [("static", 1), ("compact", 1), ("compact", 2)])
+def test_overlap_survives_requests_leaving_the_batch(pair, plain, mode, rounds):
     """Requests with different lengths leave the batch one by one; the next round is still
     dispatched before the in-flight one is read (the leavers' rows dropped, the others fed on
-    device from their rows of the in-flight round), and every output equals plain greedy."""
+    device from their rows of the in-flight round), and every output equals plain greedy.  With
+    several rounds per dispatch a request also ends inside a call: its later rounds are ignored."""
     target, tok, drafter = pair
-    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC), SpeculativeConfig(mode=mode, cost_table=TABLE))
+    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC),
+                            SpeculativeConfig(mode=mode, cost_table=TABLE, rounds_per_call=rounds))
     assert eng.overlap
     shrunk = []
     dispatch = eng._dispatch_round
@@ -180,6 +187,7 @@ def test_overlap_survives_requests_leaving_the_batch(pair, plain, mode):
     want = plain.generate(prompts, params)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert shrunk  # a smaller batch was dispatched on top of an unread round
+    assert eng.lookahead == 2 * rounds * (drafter.config.block_size + 1)  # reserved: no write past a request's pages
     eng.pool.check_invariants()
     assert eng.pool.num_free_pages == eng.pool.num_usable_pages
 
@@ -317,8 +325,9 @@ def test_block_accept_estimator_brackets_the_cap_accept_ceiling(pair):
     assert all("ceiling_estimate" in r.stats["spec"] for r in res_est)
 
 
-@pytest.mark.parametrize("mode, draft_scale", [("static", 1.0), ("compact", 1.0), ("static", 1.6)])
-def test_sampled_speculation_follows_target_distribution(mode, draft_scale):
+@pytest.mark.parametrize("mode, draft_scale, rounds", [("static", 1.0, 1), ("compact", 1.0, 1), ("static", 1.6, 1),
+                                                      ("static", 1.0, 2)])
+def test_sampled_speculation_follows_target_distribution(mode, draft_scale, rounds):
     """Temperature 1 on a 6-token vocabulary: the joint law of the first three generated tokens
     (one from prefill, two from speculative rounds) matches the target's, by chi-square; also
     with drafts sampled at 1.6x the temperature (draft_temperature_scale)."""
@@ -342,7 +351,7 @@ def test_sampled_speculation_follows_target_distribution(mode, draft_scale):
     eng = SpeculativeEngine(target, None, drafter, EngineConfig(max_running_requests=64, max_prefill_tokens=256, max_prefill_seqs=64,
                                                                  max_model_len=64, page_size=4),
                             SpeculativeConfig(mode=mode, cost_table=TABLE if mode == "compact" else None,
-                                              draft_temperature_scale=draft_scale))
+                                              draft_temperature_scale=draft_scale, rounds_per_call=rounds))
     n = 6000
     res = eng.generate([prompt] * n, [SamplingParams(max_new_tokens=3, temperature=1.0, seed=i, ignore_eos=True)
                                       for i in range(n)])
@@ -358,15 +367,16 @@ def test_sampled_speculation_follows_target_distribution(mode, draft_scale):
     assert np.mean(eng.stats["accept_lens"]) > 1.2  # drafts were really accepted along the way
 
 
-@pytest.mark.parametrize("behind", [False, True])
-def test_no_compilation_after_startup(pair, caplog, behind):
+@pytest.mark.parametrize("behind, rounds", [(False, 1), (True, 1), (False, 2)])
+def test_no_compilation_after_startup(pair, caplog, behind, rounds):
     import logging
 
     import jax
 
     target, tok, drafter = pair
     eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC),
-                            SpeculativeConfig(mode="compact", cost_table=TABLE, overlap_admissions=behind))
+                            SpeculativeConfig(mode="compact", cost_table=TABLE, overlap_admissions=behind,
+                                              rounds_per_call=rounds))
     prompts = _prompts(target.config.vocab_size, 6, seed=8)
     eng.generate(prompts[:2], GREEDY)
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):

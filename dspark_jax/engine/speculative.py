@@ -61,7 +61,7 @@ from dspark_jax.models.qwen3 import Qwen3ForCausalLM
 from dspark_jax.speculative.cost_model import AdditiveCostTable
 from dspark_jax.speculative.scheduler import ConfidenceScheduler
 from dspark_jax.speculative.step import (MODES, EstimatorLogProbs, SpecInputs, SpecOutputs, join_feed, prefill_step,
-                                         spec_step)
+                                         spec_rounds)
 from dspark_jax.speculative.tiers import TokenTiers
 from dspark_jax.tokenizer import Tokenizer
 
@@ -137,6 +137,13 @@ class SpeculativeConfig:
     # for a reason not yet found (neither construct blocks the host at dispatch:
     # probe_host_sync_gpu_446209e.md).  Off until measured in this form; needs EngineConfig.overlap.
     overlap_admissions: bool = False
+    # Speculative rounds per dispatch (speculative/step.py spec_rounds): round j + 1 of a call is
+    # fed by round j on the device and the host reads them together, so its work per round (the
+    # executable's dispatch above all) is split n ways, for a loop the host otherwise paces.  The
+    # cost: the budget of each round comes from survival n rounds staler (the lag grows to
+    # n x 2 overlapped), a request that finishes inside a call wastes its later rounds there, and
+    # the KV lookahead covers n blocks more.  Each round executable is n rounds unrolled.
+    rounds_per_call: int = 1
 
 
 @dataclasses.dataclass
@@ -147,10 +154,10 @@ class _Round:
     rows: int  # S, the round's padded request rows
     slots: np.ndarray
     generations: np.ndarray
-    step: int
-    budget: int
+    step: int  # the call's first round
+    budgets: list[int]  # one a round
     tier: int
-    predicted_s: float | None
+    predicted_s: float | None  # mean predicted round time
     dispatched_at: float
     overlapped: bool  # dispatched while another round was in flight (steady state)
 
@@ -168,17 +175,22 @@ class SpeculativeEngine(Engine):
             raise ValueError(f"draft_temperature_scale must be a finite number > 0, got {self.spec.draft_temperature_scale}")
         dcfg = drafter.config
         self.gamma = G = dcfg.block_size
+        self.rounds = int(self.spec.rounds_per_call)
+        if self.rounds < 1:
+            raise ValueError(f"rounds_per_call must be >= 1, got {self.spec.rounds_per_call}")
         self.estimator = None
         if self.spec.estimate_block_accept:
+            if self.rounds != 1:
+                raise ValueError("the block-accept estimator probes one round at a time: rounds_per_call must be 1")
             if self.spec.mode != "compact":
                 raise ValueError("the block-accept estimator is for compact mode (cap-accept measures the ceiling)")
             from dspark_jax.speculative.block_accept import BlockAcceptEstimator
 
             self.estimator = BlockAcceptEstimator(G)
         self.overlap = self.ec.overlap and self.estimator is None
-        # Positions past the last token a round may write: one block, or two with an overlapped
-        # round in flight (it starts up to G + 1 positions further on).
-        self.lookahead = (2 if self.overlap else 1) * (G + 1)
+        # Positions past the last token a call may write: a block per round, twice that with an
+        # overlapped call in flight (it starts up to rounds x (G + 1) positions further on).
+        self.lookahead = (2 if self.overlap else 1) * self.rounds * (G + 1)
         sts = self.spec.sts or StsCalibration.identity(G)
         if sts.block_size != G:
             raise ValueError(f"STS file has {sts.block_size} temperatures for block size {G}")
@@ -192,7 +204,10 @@ class SpeculativeEngine(Engine):
             from dspark_jax.calibration.recorder import StsRecorder
 
             self._recorder = StsRecorder(self.spec.record_sts_dir, G, self.spec.record_shard_rows)
-        self.scheduler_conf = ConfidenceScheduler(G, self.spec.cost_table, lag=self.spec.lag,
+        # A call's last round must see survival the host has read: with a call in flight that
+        # is 2 x rounds back (rounds back without overlap).
+        lag = max(self.spec.lag, (2 if self.overlap else 1) * self.rounds)
+        self.scheduler_conf = ConfidenceScheduler(G, self.spec.cost_table, lag=lag,
                                                   min_predicted_gain=self.spec.min_predicted_gain,
                                                   correction_weight=self.spec.step_time_correction)
         top = max(self.decode_buckets) * (G + 1)
@@ -221,7 +236,8 @@ class SpeculativeEngine(Engine):
             for greedy in (False, True):
                 self._spec_jit[mode, greedy] = jax.jit(
                     with_packed_outputs(with_packed_inputs(with_flat_states(
-                        functools.partial(spec_step, self.target_def, self.drafter_def, mode=mode, page_size=ps,
+                        functools.partial(spec_rounds, self.target_def, self.drafter_def, rounds=self.rounds,
+                                          mode=mode, page_size=ps,
                                           draft_temperature_scale=float(self.spec.draft_temperature_scale),
                                           greedy=greedy, **self.draft_step_options(prefill=False)),
                         state_defs), index=4)),
@@ -326,12 +342,12 @@ class SpeculativeEngine(Engine):
             i32 = np.int32
             R = self.ec.max_running_requests
             inp = SpecInputs(s((S,), i32), s((S,), i32), s((S, P), i32), s((S,), np.bool_), s((), i32),
-                             s((), i32), s((S,), np.float32), s((S,), i32), s((S,), np.float32), s((S,), np.uint32),
+                             s((self.rounds,), i32), s((S,), np.float32), s((S,), i32), s((S,), np.float32), s((S,), np.uint32),
                              s((R,), i32), s((R,), i32), s((S,), i32), s((S, self.gamma + 1, self._num_probes), i32))
             pack = self._spec_packs.setdefault((S, P), HostPack.of(inp, device_fields=SPEC_DEVICE_FIELDS))
-            G, f32 = self.gamma, np.float32  # confidences travel as float32 (bf16 on the GPU: exact)
-            results = SpecOutputs(s((S, G), i32), s((S,), i32), s((S,), i32), s((S,), i32), s((S,), i32),
-                                  s((S, G), f32), s((S, G), f32), None, None, None)
+            G, f32, n = self.gamma, np.float32, self.rounds  # confidences as float32 (bf16 on the GPU: exact)
+            results = SpecOutputs(s((n, S, G), i32), s((n, S), i32), s((n, S), i32), s((n, S), i32), s((n, S), i32),
+                                  s((n, S, G), f32), s((n, S, G), f32), None, None, None)
             results_pack = self._result_packs.setdefault(S, HostPack.of(results, ROUND_DEVICE_FIELDS))
             self._compiled[key] = self._spec_jit[self.spec.mode, greedy].lower(
                 *self.state_args, self._abstract(self.tcache), self._abstract(self.dcache), pack.spec(),
@@ -420,18 +436,25 @@ class SpeculativeEngine(Engine):
         G, bs = self.gamma, len(reqs)
         slots = np.array([self._slot_of[r.id] for r in reqs])
         generations = self._slot_gen[slots].copy()
-        step, self._step = self._step, self._step + 1
-        predicted = None
-        if self.spec.mode != "static" and self.spec.forced_budget is not None:  # profiling (profile_sps.py)
-            K = min(int(self.spec.forced_budget), bs * G)
-            predicted = self.spec.cost_table.predict(bs, K) if self.spec.cost_table is not None else None
-        elif self._schedules:
-            lagged = self.scheduler_conf.lagged(step, generations, slots=slots)
-            decision = self.scheduler_conf.decide_budget(lagged.survival, lagged.fresh, overlapped=prev is not None)
-            K, predicted = decision.budget, decision.predicted_step_seconds
-        else:  # static, or compact without a cost table: verify everything
-            K = bs * G
-        T = self.tiers.tier_for(bs, K) if self.spec.mode == "compact" else self.tiers.round_up(bs * (G + 1))
+        step, self._step = self._step, self._step + self.rounds
+        budgets, predictions = [], []
+        for j in range(self.rounds):
+            if self.spec.mode != "static" and self.spec.forced_budget is not None:  # profiling (profile_sps.py)
+                K = min(int(self.spec.forced_budget), bs * G)
+                if self.spec.cost_table is not None:
+                    predictions.append(self.spec.cost_table.predict(bs, K))
+            elif self._schedules:
+                lagged = self.scheduler_conf.lagged(step + j, generations, slots=slots)
+                decision = self.scheduler_conf.decide_budget(lagged.survival, lagged.fresh,
+                                                             overlapped=prev is not None)
+                K = decision.budget
+                predictions.append(decision.predicted_step_seconds)
+            else:  # static, or compact without a cost table: verify everything
+                K = bs * G
+            budgets.append(K)
+        predicted = float(np.mean(predictions)) if predictions and None not in predictions else None
+        # One tier for the call's rounds: the largest any of them needs.
+        T = self.tiers.tier_for(bs, max(budgets)) if self.spec.mode == "compact" else self.tiers.round_up(bs * (G + 1))
         S = min(T, self.ec.max_running_requests)
         pad = lambda a, dt: np.concatenate([np.asarray(a, dt), np.zeros(S - bs, dt)])
         live, table, temp, top_k, top_p, seed = self._round_inputs(reqs, S)
@@ -447,15 +470,15 @@ class SpeculativeEngine(Engine):
         probes = np.full((S, G + 1, self._num_probes), -1, np.int32)
         if self.estimator is not None:  # never overlapped: the host state is current
             probes[:bs] = self.estimator.probe_tokens([r.id for r in reqs], start[:bs], G + 1)
-        inp = SpecInputs(anchor, start, table, live, np.int32(bs), np.int32(K), temp, top_k, top_p, seed, *fed,
-                         fed_index, probes)
+        inp = SpecInputs(anchor, start, table, live, np.int32(bs), np.asarray(budgets, np.int32), temp, top_k, top_p,
+                         seed, *fed, fed_index, probes)
         greedy = self.spec.greedy_rounds and not temp[:bs].any()  # the greedy round variant
         self._compiled_spec(T, S, table.shape[1], greedy)  # compiled before the clock starts (precompile off)
         t0 = time.perf_counter()
         out = self._run_round(T, S, inp, greedy)
         for x in jax.tree.leaves((out.results, out.estimate)):  # what _read needs; the fed arrays stay on device
             x.copy_to_host_async()
-        return _Round(reqs, out, S, slots, generations, step, K, T, predicted, t0, prev is not None)
+        return _Round(reqs, out, S, slots, generations, step, budgets, T, predicted, t0, prev is not None)
 
     def _join(self, fed, fed_index, reqs, first_tokens, joining):
         """Point the joining requests' rows at free rows of the feed (rows no fed request reads)
@@ -473,25 +496,34 @@ class SpeculativeEngine(Engine):
         return self._join_feed(*fed, first_tokens, joins)
 
     def _read(self, rnd: _Round):
-        """Read a dispatched round (the one host sync per round) and commit its tokens."""
-        G, bs = self.gamma, len(rnd.reqs)
+        """Read a dispatched call (the one host sync per call) and commit its rounds in order."""
         buf, estimate = jax.device_get((rnd.out.results, rnd.out.estimate))
-        out = self._result_packs[rnd.rows].unpack_host(buf)._replace(estimate=estimate)
+        stacked = self._result_packs[rnd.rows].unpack_host(buf)
         now = time.perf_counter()
-        # The round's cost as the engine sees it: from its dispatch or the previous read, whichever
-        # came later, to this read.  Overlapped, that is the period between reads (device time or
-        # host time, whichever bounds the loop); otherwise dispatch-to-read.  The cost table is
-        # profiled on this same quantity (benchmarks/profile_sps.py), so predictions compare to it.
-        measured = now - max(rnd.dispatched_at, self._last_read_at)
+        # The call's cost as the engine sees it: from its dispatch or the previous read, whichever
+        # came later, to this read, shared by its rounds.  Overlapped, that is the period between
+        # reads (device time or host time, whichever bounds the loop); otherwise dispatch-to-read.
+        # The cost table is profiled on this same quantity (benchmarks/profile_sps.py), so
+        # predictions compare to it.
+        measured = (now - max(rnd.dispatched_at, self._last_read_at)) / self.rounds
+        self._last_read_at = now
+        events = []
+        for j in range(self.rounds):
+            out = SpecOutputs(*(getattr(stacked, f)[j] for f in SpecOutputs._fields[:7]), None, None, estimate)
+            events += self._commit_round(rnd, j, out, measured)
+        return events
+
+    def _commit_round(self, rnd: _Round, j: int, out: SpecOutputs, measured: float):
+        """Round j of a read call: statistics, calibration and scheduler records, then the commit."""
+        G, bs, budget = self.gamma, len(rnd.reqs), rnd.budgets[j]
         # (batch size, budget K, tier, tokens verified, seconds) per round, for profiling.
-        self.stats["round_log"].append((bs, rnd.budget, rnd.tier, int(out.verify_lens[:bs].sum()), measured))
+        self.stats["round_log"].append((bs, budget, rnd.tier, int(out.verify_lens[:bs].sum()), measured))
         if rnd.predicted_s is not None:  # predicted vs measured step time, for checking the cost table
             self.stats["predicted_step_s"].append(rnd.predicted_s)
-            self.stats["table_step_s"].append(self.spec.cost_table.predict(bs, rnd.budget))
+            self.stats["table_step_s"].append(self.spec.cost_table.predict(bs, budget))
             self.stats["measured_step_s"].append(measured)
             if self.spec.forced_budget is None:
-                self.scheduler_conf.record_step_time(bs, rnd.budget, measured, overlapped=rnd.overlapped)
-        self._last_read_at = now
+                self.scheduler_conf.record_step_time(bs, budget, measured, overlapped=rnd.overlapped)
         # Rows of requests that finished in an earlier round ran past their end: keep them out of
         # the calibration data (the scheduler's lag ring drops them by slot generation).
         alive = np.array([r.status is not Status.FINISHED for r in rnd.reqs])
@@ -499,7 +531,7 @@ class SpeculativeEngine(Engine):
             labels = np.arange(G)[None, :] < out.block_accept[:bs, None]
             self.confidence_metrics.update(out.survival[:bs][alive], labels[alive])
         if self._schedules:
-            self.scheduler_conf.observe(rnd.step, out.survival[:bs], rnd.generations, slots=rnd.slots)
+            self.scheduler_conf.observe(rnd.step + j, out.survival[:bs], rnd.generations, slots=rnd.slots)
         self.stats["rounds"] += 1
         done = commit_rounds(self.stats, rnd.reqs, out.drafts, out.num_accepted, out.bonus, out.verify_lens,
                              out.block_accept)
@@ -510,7 +542,7 @@ class SpeculativeEngine(Engine):
             if r.status is Status.FINISHED:
                 self._slot_of.pop(r.id, None)
         if rnd.predicted_s is not None:
-            self.stats["round_context"].append((sum(len(c) for c in commits), rnd.overlapped, bs, rnd.budget))
+            self.stats["round_context"].append((sum(len(c) for c in commits), rnd.overlapped, bs, budget))
         if self._recorder is not None:  # after the commit: a row knows whether its request ended here
             final = np.array([r.status is Status.FINISHED for r in rnd.reqs])[alive]
             self._recorder.add(out.confidence_logits[:bs][alive], out.block_accept[:bs][alive], final)

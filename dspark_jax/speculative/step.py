@@ -29,6 +29,13 @@ slot count R, so every tier's executable shares one shape), and takes the previo
 anchor / start where `fed_index[i]` is -1 (a request the previous round did not hold).  The
 engine dispatches round t+1 on those device arrays before it reads round t, so the host never
 waits between rounds, also when requests left the batch in between.
+
+spec_rounds: several rounds in one executable (SpeculativeConfig.rounds_per_call), each fed
+by the previous one on the device, their results stacked.  With the embedded pair a round's
+device time (0.6-1.1 ms at batch 64 on the H200) is below the host's work per round (the
+executable's dispatch alone 0.55-0.8 ms, then reading and committing), so the serving loop ran
+at the host's pace; n rounds per dispatch split that work n ways
+(benchmarks/results/round_profile_gpu_bs64_b346cf1.md).
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ class SpecInputs(NamedTuple):
     page_table: jax.Array  # [S, P]
     live: jax.Array  # [S] bool
     num_seqs: jax.Array  # [] int32
-    budget: jax.Array  # [] int32 extra verify tokens (compact / cap-accept)
+    budget: jax.Array  # [] int32 extra verify tokens (compact / cap-accept); [n] for spec_rounds, one a round
     temperature: jax.Array  # [S]
     top_k: jax.Array  # [S]
     top_p: jax.Array  # [S]
@@ -186,6 +193,28 @@ def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCa
     res = SpecOutputs(bs.tokens, acc.num_accepted, acc.bonus, verify_lens, acc.block_accept, survival, bs.confidence,
                       pad(acc.bonus), pad(inp.start + acc.num_accepted + 1), est)
     return res, out.cache, dcache
+
+
+def spec_rounds(target_def, drafter_def, target_state, drafter_state, tcache: KVCache, dcache: KVCache,
+                inp: SpecInputs, sts_temperatures, *, rounds: int, **options):
+    """``rounds`` consecutive spec_step rounds: inp.budget [rounds] holds each round's budget;
+    round j > 0 starts every live request from round j - 1's next anchor and position (on the
+    device), so the host sees only the first round's inputs and all the rounds' results.
+    Returns (SpecOutputs with a leading [rounds] axis on every host field, the last round's
+    next anchors and positions, no estimator inputs; tcache; dcache)."""
+    S = inp.anchor.shape[0]
+    chained = jnp.where(inp.live, jnp.arange(S, dtype=jnp.int32), -1)
+    outs, step_inp = [], inp
+    for j in range(rounds):
+        step_inp = step_inp._replace(budget=inp.budget[j])
+        out, tcache, dcache = spec_step(target_def, drafter_def, target_state, drafter_state, tcache, dcache,
+                                        step_inp, sts_temperatures, **options)
+        outs.append(out)
+        step_inp = step_inp._replace(fed_anchor=out.next_anchor, fed_start=out.next_start, fed_index=chained)
+    last = outs[-1]
+    stacked = SpecOutputs(*(jnp.stack([getattr(o, f) for o in outs]) for f in SpecOutputs._fields[:7]),
+                          last.next_anchor, last.next_start, last.estimate if rounds == 1 else None)
+    return stacked, tcache, dcache
 
 
 def prefill_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCache, dcache: KVCache,
