@@ -45,6 +45,15 @@ from benchmarks.step_prediction import prediction_summary
 ARMS = ("none", "static", "compact+table", "compact", "mtp")  # run order: the goals' arms first
 
 
+def parse_arm(arm: str, rounds_per_call: int = 1) -> tuple[str, int]:
+    """(base arm, DSpark rounds per dispatch) of an arm name: "static@2" is the static arm at two
+    rounds per dispatch, so one run can pair it with "static" at --rounds-per-call."""
+    base, _, rounds = arm.partition("@")
+    if base not in ARMS or (rounds and (base in ("none", "mtp") or not rounds.isdigit() or int(rounds) < 1)):
+        raise ValueError(f"unknown arm {arm!r}: one of {ARMS}, a DSpark arm optionally @ROUNDS (e.g. static@2)")
+    return base, int(rounds) if rounds else rounds_per_call
+
+
 def build_engine(arm: str, target, ec, table, greedy_rounds: bool = False, overlap_admissions: bool = False,
                  rounds_per_call: int = 1):
     from dspark_jax.default_model import default_drafter_path, default_mtp_path
@@ -52,6 +61,7 @@ def build_engine(arm: str, target, ec, table, greedy_rounds: bool = False, overl
     from dspark_jax.engine.mtp_engine import MTPEngine
     from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
 
+    arm, rounds_per_call = parse_arm(arm, rounds_per_call)
     if arm == "none":
         return Engine.from_pretrained(target, ec)
     if arm == "mtp":
@@ -184,7 +194,7 @@ def report(args, env, rows: list[dict]) -> None:
           "| workload | batch | requests | arm | tok/s | x none | x static paired | accept | window | "
           "step pred (table) / meas ms | same tokens |",
           "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
-    for r in sorted(rows, key=lambda r: (r["workload"], r["batch"], ARMS.index(r["arm"]))):
+    for r in sorted(rows, key=lambda r: (r["workload"], r["batch"], ARMS.index(parse_arm(r["arm"])[0]), r["arm"])):
         step = (f"{r['step_predicted_ms']:.3f} ({r['step_table_ms']:.3f}) / {r['step_measured_ms']:.3f}"
                 if "step_predicted_ms" in r else "")
         same = r.get("same_tokens_as_none", "")
@@ -260,7 +270,11 @@ def main(argv=None):
     from training.drafter.selfdistill import SelfDistillConfig, select_prompts
 
     arms = [a for a in args.arms.split(",") if a]
-    if "compact+table" in arms and args.sps_table_path is None:
+    try:
+        bases = [parse_arm(a)[0] for a in arms]
+    except ValueError as e:
+        ap.error(str(e))
+    if "compact+table" in bases and args.sps_table_path is None:
         ap.error("compact+table needs --sps-table-path")
     table = load_cost_table(args.sps_table_path) if args.sps_table_path else None
     env = environment()

@@ -74,7 +74,8 @@ def test_report_pairs_each_arm_with_static_pass_by_pass(tmp_path):
     rows = [row("none", [2.0, 4.0, 2.0]), row("static", [1.0, 2.0, 1.1]), row("compact", [0.8, 2.5, 1.0])]
     args = argparse.Namespace(max_new_tokens=8, split="heldout", single_prompts=1, waves=1, repeats=3, dtype=None,
                               matmul_precision=None, execution="default", sampling_variants=0, greedy_rounds=0,
-                              overlap_admissions=0, tag="", out_dir=[str(tmp_path)])
+                              overlap_admissions=0, rounds_per_call=1, temperature=0.0, top_k=0, top_p=1.0, tag="",
+                              out_dir=[str(tmp_path)])
     env = {"device": "cpu", "jax": "x", "date": "d", "commit": "c", "platform": "cpu"}
     report(args, env, rows)
     got = {r["arm"]: r for r in json.loads(next(tmp_path.glob("*.json")).read_text())["rows"]}
@@ -83,3 +84,13 @@ def test_report_pairs_each_arm_with_static_pass_by_pass(tmp_path):
         pytest.approx([0.5, 0.5, 0.55])
     md = next(tmp_path.glob("*.md")).read_text()
     assert "| math | 64 | 2 | compact | " in md and "1.10 [0.80, 1.25]" in md
+
+
+def test_arm_names_carry_rounds_per_dispatch():
+    from benchmarks.bench_speculative import parse_arm
+
+    assert parse_arm("static") == ("static", 1) and parse_arm("compact+table", 3) == ("compact+table", 3)
+    assert parse_arm("static@2", 1) == ("static", 2)
+    for bad in ("static@0", "none@2", "mtp@2", "static@x", "dynamic"):
+        with pytest.raises(ValueError):
+            parse_arm(bad)
