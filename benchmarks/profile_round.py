@@ -89,7 +89,11 @@ def pipeline_case(eng, bs: int, K: int, setting: str, rounds: int) -> dict:
     (one device-to-host copy, started at dispatch).  Per pattern: median host time of the
     dispatch call, of the read, and the period between reads."""
     temperature, top_k, top_p, greedy = SETTINGS[setting]
-    T, S, inp = steady_inputs(eng, bs, K, 256, (temperature, top_k, top_p))
+    # Fed rounds advance every request by up to gamma + 1 positions: keep them inside their pages
+    # and the model length (the b346cf1 run did not, and its fed t1 rows outran both).
+    context, step = 256, eng.gamma + 1
+    rounds = max(4, min(rounds, (eng.max_model_len - context - eng.lookahead) // step - 2))
+    T, S, inp = steady_inputs(eng, bs, K, context, (temperature, top_k, top_p), growth=(rounds + 2) * step)
     out = {}
     for name, (feed, read) in PIPELINES.items():
         fed_inp = inp._replace(fed_index=np.where(np.arange(S) < bs, np.arange(S), -1).astype(np.int32)) if feed else inp

@@ -44,15 +44,16 @@ from dspark_jax.speculative.cost_model import fit_additive_cost
 from dspark_jax.speculative.step import SpecInputs
 
 
-def steady_inputs(eng: SpeculativeEngine, bs: int, K: int, context: int, sampling=(0.0, 0, 1.0)):
-    """Inputs for bs requests whose anchors sit at `context`, pages reserved, budget K, every
-    request with sampling = (temperature, top_k, top_p) and its own seed."""
+def steady_inputs(eng: SpeculativeEngine, bs: int, K: int, context: int, sampling=(0.0, 0, 1.0), growth: int = 0):
+    """Inputs for bs requests whose anchors sit at `context`, pages reserved (for `growth` more
+    positions too, when rounds are fed one from the next), budget K, every request with
+    sampling = (temperature, top_k, top_p) and its own seed."""
     T = eng.tiers.tier_for(bs, K)
     S = min(T, eng.ec.max_running_requests)
     P = eng.pages_per_seq
     table = np.zeros((S, P), np.int32)
     for i in range(bs):
-        eng.pool.reserve(("profile", i), context + eng.lookahead)
+        eng.pool.reserve(("profile", i), context + growth + eng.lookahead)
         table[i] = eng.pool.page_table_row(("profile", i), P)
     live = np.arange(S) < bs
     temperature, top_k, top_p = sampling
