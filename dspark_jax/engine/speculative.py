@@ -18,7 +18,7 @@ the only device-to-host transfer) while the device runs round t+1.  Requests lea
 without round t: page tables are reserved up front, sampling parameters are per request, and the
 compact budget comes from the survival observed `lag` = 2 rounds back, which has been read by
 then.  A request that finishes in round t wasted its share of round t+1, whose output for it is
-ignored; its K/V writes stay within its own reserved pages (the lookahead covers two blocks) and
+ignored; its K/V writes stay within its own reserved pages (the lookahead covers two calls' blocks) and
 precede, in device order, any reuse of those pages.  A prefill step reads the in-flight round
 first.  Dispatched behind it instead (7ad24e2), rounds with a prefill behind them took ~4.5 ms
 against ~2.2 ms and the default pair at batch 64 ran 8-20% slower
@@ -142,7 +142,10 @@ class SpeculativeConfig:
     # executable's dispatch above all) is split n ways, for a loop the host otherwise paces.  The
     # cost: the budget of each round comes from survival n rounds staler (the lag grows to
     # n x 2 overlapped), a request that finishes inside a call wastes its later rounds there, and
-    # the KV lookahead covers n blocks more.  Each round executable is n rounds unrolled.
+    # the KV lookahead covers n blocks more.  Each round executable is n rounds unrolled.  At 2,
+    # T=1, batch 64 on the H200 the rounds took 1.0-1.2 ms each, against 1.4-1.9 ms at 1 in a
+    # separate run (speculative_default_gpu_bs64_t1_r2_paired_75bd63e.md, sps_table_gpu_t1_1973ceb.md);
+    # not yet paired against 1 in one run, so off by default.
     rounds_per_call: int = 1
 
 
