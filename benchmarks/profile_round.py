@@ -82,7 +82,7 @@ PIPELINES = {  # name -> (feed the previous round's anchors, read each round's r
     "chain": (False, False), "feed": (True, False), "read": (False, True), "engine": (True, True)}
 
 
-def pipeline_case(eng, bs: int, K: int, setting: str, rounds: int) -> dict:
+def pipeline_case(eng, bs: int, K: int, setting: str, rounds: int, context: int) -> dict:
     """The serving loop's pattern without its Python: round t+1 is dispatched while round t is in
     flight (its outputs still held), optionally fed round t's next anchors and positions (device
     arrays not yet computed, as the engine feeds them), then round t's results optionally read
@@ -91,12 +91,14 @@ def pipeline_case(eng, bs: int, K: int, setting: str, rounds: int) -> dict:
     temperature, top_k, top_p, greedy = SETTINGS[setting]
     # Fed rounds advance every request by up to gamma + 1 positions: keep them inside their pages
     # and the model length (the b346cf1 run did not, and its fed t1 rows outran both).
-    context, step = 256, eng.gamma + 1
-    rounds = max(4, min(rounds, (eng.max_model_len - context - eng.lookahead) // step - 2))
+    step = eng.gamma + 1
+    rounds = min(rounds, (eng.max_model_len - context - eng.lookahead) // step - 2)
+    if rounds < 4:
+        raise ValueError(f"context {context} leaves room for {rounds} fed rounds (need 4): raise --max-model-len")
     T, S, inp = steady_inputs(eng, bs, K, context, (temperature, top_k, top_p), growth=(rounds + 2) * step)
+    fed_inp = inp._replace(fed_index=np.where(np.arange(S) < bs, np.arange(S), -1).astype(np.int32))
     out = {}
     for name, (feed, read) in PIPELINES.items():
-        fed_inp = inp._replace(fed_index=np.where(np.arange(S) < bs, np.arange(S), -1).astype(np.int32)) if feed else inp
         prev = eng._run_round(T, S, inp, greedy)
         jax.block_until_ready(prev.results)
         dispatch, reads, periods, last = [], [], [], time.perf_counter()
@@ -149,7 +151,7 @@ def main(argv=None):
     G = eng.gamma
     cases = [(s, int(round(f * bs * G))) for s in args.settings for f in args.fractions]
     rows = [profile_case(eng, bs, K, s, args) for s, K in tqdm(cases, desc="cases")]
-    pipes = [pipeline_case(eng, bs, K, s, 4 * args.rounds) for s, K in tqdm(cases, desc="pipelines")]
+    pipes = [pipeline_case(eng, bs, K, s, 4 * args.rounds, args.context) for s, K in tqdm(cases, desc="pipelines")]
     name = f"round_profile_{env['platform']}_bs{bs}{args.tag}"
     md = [f"# Speculative round profile, batch {bs} ({env['device']}, jax {env['jax']}, {env['date']}, "
           f"commit {env['commit']})\n",

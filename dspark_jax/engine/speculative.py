@@ -60,8 +60,8 @@ from dspark_jax.kv_cache import KVCache
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
 from dspark_jax.speculative.cost_model import AdditiveCostTable
 from dspark_jax.speculative.scheduler import ConfidenceScheduler
-from dspark_jax.speculative.step import (MODES, EstimatorLogProbs, SpecInputs, SpecOutputs, join_feed, prefill_step,
-                                         spec_rounds)
+from dspark_jax.speculative.step import (MODES, ROUND_RESULT_FIELDS, EstimatorLogProbs, SpecInputs, SpecOutputs,
+                                         join_feed, prefill_step, spec_rounds)
 from dspark_jax.speculative.tiers import TokenTiers
 from dspark_jax.tokenizer import Tokenizer
 
@@ -82,7 +82,7 @@ class RoundOutputs(NamedTuple):
 
 
 # SpecOutputs fields that stay on the device (or travel as their own pytree): the rest are packed
-ROUND_DEVICE_FIELDS = ("next_anchor", "next_start", "estimate")
+ROUND_DEVICE_FIELDS = tuple(f for f in SpecOutputs._fields if f not in ROUND_RESULT_FIELDS)
 
 
 @dataclasses.dataclass
@@ -512,7 +512,7 @@ class SpeculativeEngine(Engine):
         self._last_read_at = now
         events = []
         for j in range(self.rounds):
-            out = SpecOutputs(*(getattr(stacked, f)[j] for f in SpecOutputs._fields[:7]), None, None, estimate)
+            out = SpecOutputs(*(getattr(stacked, f)[j] for f in ROUND_RESULT_FIELDS), None, None, estimate)
             events += self._commit_round(rnd, j, out, measured)
         return events
 

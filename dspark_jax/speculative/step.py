@@ -86,6 +86,10 @@ class SpecOutputs(NamedTuple):
     estimate: "EstimatorLogProbs | None"  # block-accept estimator inputs (compact mode, when enabled)
 
 
+# The per-round results the host reads; the rest of SpecOutputs feeds the next round on the device.
+ROUND_RESULT_FIELDS = SpecOutputs._fields[:7]
+
+
 class EstimatorLogProbs(NamedTuple):
     """What the host-side block-accept estimator needs from a round (speculative/block_accept.py),
     all under the tempered (temperature-scaled) distributions."""
@@ -212,7 +216,7 @@ def spec_rounds(target_def, drafter_def, target_state, drafter_state, tcache: KV
         outs.append(out)
         step_inp = step_inp._replace(fed_anchor=out.next_anchor, fed_start=out.next_start, fed_index=chained)
     last = outs[-1]
-    stacked = SpecOutputs(*(jnp.stack([getattr(o, f) for o in outs]) for f in SpecOutputs._fields[:7]),
+    stacked = SpecOutputs(*(jnp.stack([getattr(o, f) for o in outs]) for f in ROUND_RESULT_FIELDS),
                           last.next_anchor, last.next_start, last.estimate if rounds == 1 else None)
     return stacked, tcache, dcache
 
