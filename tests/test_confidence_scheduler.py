@@ -337,6 +337,38 @@ def test_recycled_empty_and_unseen_slots_read_fresh():
         sched.observe(12, s, [5, 6, 7], slots=[0, 0, 3])
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_lagged_matches_a_per_slot_dictionary_reference(seed):
+    """The ring keeps each step's rows as observed and matches slots when read: whatever the order,
+    subset or recycling of the batch, the lagged survival equals a plain per-slot lookup, and the
+    budget decided from the ring equals decide_budget on that lookup."""
+    rng = np.random.default_rng(seed)
+    table = AdditiveCostTable(1e-3, [1.0, 64.0], [0.0, 1e-3], [0.0, 64.0, 512.0], [0.0, 2e-4, 3e-3])
+    sched = ConfidenceScheduler(GAMMA, table, lag=2)
+    history = {}
+    for step in range(8):
+        n = int(rng.integers(1, 12))
+        slots = rng.permutation(16)[:n]
+        gens = rng.integers(-1, 3, size=n)
+        s = _random_survival(rng, n).astype(np.float32)
+        sched.observe(step, s, gens, slots=slots)
+        history[step] = {int(sl): (int(g), s[i]) for i, (sl, g) in enumerate(zip(slots, gens))}
+        if step < 2:
+            continue
+        m = int(rng.integers(1, 12))
+        q_slots = slots[:m] if seed % 2 and m <= n else rng.permutation(16)[:m]  # the same batch, or another
+        q_gens = rng.integers(-1, 3, size=q_slots.size)
+        if seed % 2 and m <= n:
+            q_gens = gens[:m]
+        lag = sched.lagged(step + 1, q_gens, slots=q_slots)
+        seen = history[step - 1]
+        for i, (sl, g) in enumerate(zip(q_slots.tolist(), q_gens.tolist())):
+            hit = sl in seen and g >= 0 and seen[sl][0] == g
+            assert lag.fresh[i] == (not hit)
+            np.testing.assert_array_equal(lag.survival[i], seen[sl][1] if hit else 1.0)
+        assert sched.decide_lagged(step + 1, q_gens, q_slots) == sched.decide_budget(lag.survival, lag.fresh)
+
+
 def test_budget_depends_only_on_lagged_data():
     """Changing step t's (and t-1's) survival arbitrarily never changes step t's budget."""
     rng = np.random.default_rng(7)

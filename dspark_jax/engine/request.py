@@ -91,7 +91,7 @@ class Request:
         produces, is cut at an EOS or stop string inside it)."""
         if self.status is Status.FINISHED:
             return []
-        ids = [int(t) for t in ids]
+        ids = list(map(int, ids))
         if ids and self.t_first_token is None:
             self.t_first_token = time.perf_counter()
         if self.params.stop:  # stop strings: detokenize token by token to cut at the exact one
@@ -106,12 +106,10 @@ class Request:
         # No stop strings: find the cut from the ids alone, then detokenize the whole run in one
         # call (a speculative round commits up to gamma + 1 tokens per request).
         room = self.max_new - len(self.output_ids)
-        n, reason = min(len(ids), room), None
-        for i, t in enumerate(ids[:n]):
-            if t in self.stop_ids:
-                n, reason = i + 1, "stop"
-                break
-        committed = ids[:n]
+        committed, reason = ids[:room], None
+        if self.stop_ids and not self.stop_ids.isdisjoint(committed):  # (one set test for the usual case)
+            n = next(i for i, t in enumerate(committed) if t in self.stop_ids) + 1
+            committed, reason = committed[:n], "stop"
         self.output_ids.extend(committed)
         if self.decoder is not None:
             self._undecoded.extend(committed)

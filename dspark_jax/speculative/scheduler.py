@@ -71,6 +71,7 @@ class BudgetDecision:
     predicted_step_seconds: float | None  # T(R, K), level correction included; None without a table
     predicted_tokens_per_second: float | None  # tau(K) / T(R, K)
     guard_applied: bool = False  # the min-gain guard overrode the argmax with verify-all
+    table_step_seconds: float | None = None  # T(R, K) from the table alone, without the level correction
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -128,7 +129,8 @@ class ConfidenceScheduler:
         self.corrections = ({regime: StepTimeCorrection(cost_table.bs_probes, correction_weight)
                              for regime in (True, False)}
                             if cost_table is not None and correction_weight is not None else None)
-        self._ring: deque[tuple[int, np.ndarray, np.ndarray]] = deque(maxlen=self.lag + 1)
+        # (step, slots, generations, survival [rows, gamma]) of the last lag + 1 observed steps
+        self._ring: deque[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = deque(maxlen=self.lag + 1)
         self._price_cache: dict[tuple[int, int], np.ndarray] = {}
 
     # -- role 1: the batch budget -------------------------------------------------------
@@ -143,43 +145,58 @@ class ConfidenceScheduler:
         fresh = np.asarray(fresh_mask, dtype=bool)
         if fresh.shape != (s.shape[0],):
             raise ValueError(f"fresh_mask must have shape [{s.shape[0]}], got {fresh.shape}")
-        num_rows = s.shape[0]
-        full = num_rows * self.block_size
-        vals = s.astype(np.float64).ravel()
         if fresh.any():
-            vals = np.where(np.repeat(fresh, self.block_size), 1.0, vals)
+            s = np.where(fresh[:, None], 1.0, s)
+        return self._decide(s, overlapped)
+
+    def decide_lagged(self, step: int, slot_generation, slots=None, overlapped: bool = True) -> BudgetDecision:
+        """``decide_budget(*lagged(step, ...))`` without re-checking survival the ring already
+        checked when it was observed: the engine's per-round path, where every microsecond of
+        host work paces a host-bound serving loop."""
+        return self._decide(self._lagged_values(step, slot_generation, slots)[0], overlapped)
+
+    def _decide(self, survival: np.ndarray, overlapped: bool) -> BudgetDecision:
+        """The argmax on checked survival [R, gamma] with fresh rows already set to 1."""
+        num_rows = survival.shape[0]
+        full = num_rows * self.block_size
+        vals = survival.ravel()
         cands = vals[vals >= SURVIVAL_EPS]
         table = self.cost_table
         if table is None:  # verify all: no ranking needed
-            return BudgetDecision(full, cands.size, float(num_rows + cands.sum()), None, None)
+            return BudgetDecision(full, cands.size, float(num_rows + cands.sum(dtype=np.float64)), None, None)
 
-        cands = np.sort(cands)[::-1]
+        cands = cands.astype(np.float64)  # a copy, also of a float64 view of the lag ring
+        cands.sort()
         tau = np.empty(cands.size + 1)
         tau[0] = num_rows
-        np.cumsum(cands, out=tau[1:])
+        np.add.accumulate(cands[::-1], out=tau[1:])
         tau[1:] += num_rows  # tau[n], n = 0..#cands
+        prices, full_price = self._prices(num_rows, cands.size)
         offset = self.corrections[bool(overlapped)].offset(num_rows) if self.corrections is not None else 0.0
-        step_seconds = np.maximum(self._prices(num_rows, cands.size) + offset, 1e-9)
+        step_seconds = np.maximum(prices + offset, 1e-9) if offset else prices
         throughput = tau / step_seconds
         k = int(np.argmax(throughput))  # first maximum: ties go to the smaller budget
         if self.min_predicted_gain is not None and k != full:
-            full_seconds = max(self._prices(num_rows, full)[-1] + offset, 1e-9)
+            full_seconds = max(full_price + offset, 1e-9)
             full_throughput = float(tau[-1]) / full_seconds  # tau over all candidates ~ tau(full)
             if throughput[k] < full_throughput * (1.0 + self.min_predicted_gain):
-                return BudgetDecision(full, cands.size, float(tau[-1]), full_seconds, full_throughput, True)
-        return BudgetDecision(k, cands.size, float(tau[k]), float(step_seconds[k]), float(throughput[k]))
+                return BudgetDecision(full, cands.size, float(tau[-1]), full_seconds, full_throughput, True, full_price)
+        return BudgetDecision(k, cands.size, float(tau[k]), float(step_seconds[k]), float(throughput[k]),
+                              table_step_seconds=float(prices[k]))
 
-    def _prices(self, num_rows: int, max_budget: int) -> np.ndarray:
-        """The table's T(num_rows, n) for n = 0..max_budget, cached: the table never changes and a
-        serving batch keeps the same (batch size, candidates) for many rounds."""
+    def _prices(self, num_rows: int, max_budget: int) -> tuple[np.ndarray, float]:
+        """The table's T(num_rows, n) for n = 0..max_budget (floored at 1 ns) and T(num_rows, full),
+        cached: the table never changes and a serving batch keeps the same (batch size,
+        candidates) for many rounds."""
         key = (num_rows, max_budget)
-        prices = self._price_cache.get(key)
-        if prices is None:
+        hit = self._price_cache.get(key)
+        if hit is None:
             if len(self._price_cache) >= 512:
                 self._price_cache.clear()
-            prices = self._price_cache[key] = np.asarray(
-                self.cost_table.predict(num_rows, np.arange(max_budget + 1)), np.float64)
-        return prices
+            prices = np.asarray(self.cost_table.predict(num_rows, np.arange(max_budget + 1)), np.float64)
+            full = float(self.cost_table.predict(num_rows, num_rows * self.block_size))
+            hit = self._price_cache[key] = (np.maximum(prices, 1e-9), full)
+        return hit
 
     def record_step_time(self, batch_size: int, budget: int, measured_seconds: float, overlapped: bool = True) -> None:
         """Fold a read round's measured time into the online level correction of its regime (if enabled)."""
@@ -232,31 +249,38 @@ class ConfidenceScheduler:
     # -- the lag ring --------------------------------------------------------------------
     def observe(self, step: int, survival, slot_generation, slots=None) -> None:
         """Record step ``step``'s survival [R, gamma] for the requests in ``slots`` (default
-        0..R-1), with each slot's generation id.  Steps must increase."""
+        0..R-1), with each slot's generation id.  Steps must increase.  The arrays are kept as
+        given (not copied): the caller must not modify them afterwards."""
         s = _survival_matrix(survival, self.block_size, "survival")
         slots_arr, gens = self._rows(s.shape[0], slot_generation, slots)
         if self._ring and step <= self._ring[-1][0]:
             raise ValueError(f"observed steps must increase: got {step} after {self._ring[-1][0]}")
-        size = int(slots_arr.max()) + 1 if slots_arr.size else 1
-        gen_by_slot = np.full(size, -1, np.int64)
-        surv_by_slot = np.ones((size, self.block_size), np.float64)
-        gen_by_slot[slots_arr] = gens
-        surv_by_slot[slots_arr] = s
-        self._ring.append((int(step), gen_by_slot, surv_by_slot))
+        self._ring.append((int(step), slots_arr, gens, s))
 
     def lagged(self, step: int, slot_generation, slots=None) -> LaggedSurvival:
         """Survival observed at ``step - lag`` for these slots; fresh (1.0) where unknown."""
+        survival, fresh = self._lagged_values(step, slot_generation, slots)
+        return LaggedSurvival(np.array(survival, dtype=np.float64), fresh)  # a copy: never the ring's own array
+
+    def _lagged_values(self, step: int, slot_generation, slots) -> tuple[np.ndarray, np.ndarray]:
         slots_arr, gens = self._rows(None, slot_generation, slots)
         num_rows = slots_arr.size
         entry = next((e for e in self._ring if e[0] == step - self.lag), None)
         if entry is None:
-            return LaggedSurvival(np.ones((num_rows, self.block_size)), np.ones(num_rows, bool))
-        _, gen_by_slot, surv_by_slot = entry
-        known = slots_arr < gen_by_slot.size
-        idx = np.where(known, slots_arr, 0)
-        same = known & (gens >= 0) & (gen_by_slot[idx] == gens)
-        survival = np.where(same[:, None], surv_by_slot[idx], 1.0)
-        return LaggedSurvival(survival, ~same)
+            return np.ones((num_rows, self.block_size)), np.ones(num_rows, bool)
+        _, seen_slots, seen_gens, seen = entry
+        if np.array_equal(seen_slots, slots_arr):  # the usual case: the same batch in the same order
+            same = (seen_gens == gens) & (gens >= 0)
+            if same.all():
+                return seen, ~same
+            return np.where(same[:, None], seen, 1.0), ~same
+        row_of = np.full(max(int(seen_slots.max(initial=-1)), int(slots_arr.max(initial=-1))) + 1, -1, np.int64)
+        row_of[seen_slots] = np.arange(seen_slots.size)
+        row = row_of[slots_arr]
+        idx = np.maximum(row, 0)
+        same = (row >= 0) & (gens >= 0) & (seen_gens[idx] == gens) if seen_gens.size else np.zeros(num_rows, bool)
+        survival = np.where(same[:, None], seen[idx], 1.0) if seen.size else np.ones((num_rows, self.block_size))
+        return survival, ~same
 
     def reset(self) -> None:
         """Forget every observation (all rows read fresh until ``lag`` more steps are seen)."""
@@ -282,8 +306,7 @@ class ConfidenceScheduler:
 
         For engines that decide on the host right after drafting; an overlapped engine calls
         ``lagged`` + ``decide_budget`` before the draft lands and ``verify_lens`` after."""
-        lag = self.lagged(step, slot_generation, slots)
-        decision = self.decide_budget(lag.survival, lag.fresh)  # before step t's survival is read
+        decision = self.decide_lagged(step, slot_generation, slots)  # before step t's survival is read
         lens = self.verify_lens(current_survival, decision.budget)
         self.observe(step, current_survival, slot_generation, slots)
         return StepRecord(step, lens.size, decision.budget, lens, decision.expected_tokens,
