@@ -99,7 +99,7 @@ def run_cell(engines: dict, groups, max_new: int, repeats: int, sampling=(0.0, 0
     for engine in engines.values():  # host paths, any lazily compiled shape
         timed_pass(engine, groups, max_new, sampling)
         stats = getattr(engine, "stats", None)
-        for k in ("predicted_step_s", "table_step_s", "measured_step_s", "round_context"):
+        for k in ("predicted_step_s", "table_step_s", "measured_step_s", "round_context", "round_log"):
             if stats is not None and k in stats:
                 stats[k].clear()
     arms = list(engines)
@@ -121,6 +121,17 @@ def run_cell(engines: dict, groups, max_new: int, repeats: int, sampling=(0.0, 0
             cell["accept_length"] = float(acc.mean())
             cell["window"] = float(np.mean([s["window"] for s in spec]))
         stats = getattr(engines[a], "stats", None)
+        if stats is not None and stats.get("round_log"):
+            # Round periods at the cell's full batch, overlapped (the steady serving loop) and
+            # synchronous (the first round after an admission drained it), over the timed passes:
+            # where the arms' time per round differs, and whether trimming shortened rounds.
+            log = np.asarray([(b, s, o) for b, _, _, _, s, o in stats["round_log"]], float).reshape(-1, 3)
+            full = log[:, 0] == log[:, 0].max()
+            for name, regime in (("overlapped", log[:, 2] == 1), ("synchronous", log[:, 2] == 0)):
+                sel = log[full & regime, 1]
+                if sel.size:
+                    cell[f"round_ms_full_batch_{name}"] = float(np.median(sel) * 1e3)
+                    cell[f"rounds_full_batch_{name}"] = int(sel.size)
         if stats is not None and stats.get("predicted_step_s"):
             pred, meas = np.asarray(stats["predicted_step_s"]), np.asarray(stats["measured_step_s"])
             table = np.asarray(stats["table_step_s"])
@@ -185,15 +196,16 @@ def report(args, env, rows: list[dict]) -> None:
           "online from measured rounds, the raw table in brackets); same tokens = every request's output equals "
           "the plain engine's, else how many requests differ and the median token where they first do; "
           "x static paired = median over passes of the arm's tok/s over static's in the same pass "
-          "[lowest, highest].\n",
+          "[lowest, highest]; round ms = median round period at the cell's full batch, overlapped (steady "
+          "loop) / synchronous (first round after an admission drained the loop), over the timed passes.\n",
           f"Engines in {args.dtype or 'the checkpoint dtype'}, matmul precision {args.matmul_precision or 'default'}, "
           f"execution {args.execution}, sampling variants {'on' if args.sampling_variants else 'off'}, "
           f"greedy rounds {'on' if args.greedy_rounds else 'off'}, "
           f"overlapped admissions {'on' if args.overlap_admissions else 'off'}, "
           f"{args.rounds_per_call} DSpark round(s) per dispatch.\n",
           "| workload | batch | requests | arm | tok/s | x none | x static paired | accept | window | "
-          "step pred (table) / meas ms | same tokens |",
-          "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+          "round ms overl / sync | step pred (table) / meas ms | same tokens |",
+          "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in sorted(rows, key=lambda r: (r["workload"], r["batch"], ARMS.index(parse_arm(r["arm"])[0]), r["arm"])):
         step = (f"{r['step_predicted_ms']:.3f} ({r['step_table_ms']:.3f}) / {r['step_measured_ms']:.3f}"
                 if "step_predicted_ms" in r else "")
@@ -201,11 +213,13 @@ def report(args, env, rows: list[dict]) -> None:
         if same is False:
             same = (f"no: {r['diverged_requests']}/{r['requests']} differ, from token "
                     f"{int(np.median(r['first_divergence_tokens']))}")
+        rounds = " / ".join(f"{r[k]:.3f}" if k in r else "-" for k in ("round_ms_full_batch_overlapped",
+                                                                     "round_ms_full_batch_synchronous"))
         paired = r.get("paired_speedup_vs_static")
         paired = f"{np.median(paired):.2f} [{min(paired):.2f}, {max(paired):.2f}]" if paired else ""
         md.append(f"| {r['workload']} | {r['batch']} | {r['requests']} | {r['arm']} | {r['tok_s']:.0f} | "
                   f"{r.get('speedup_vs_none', float('nan')):.2f} | {paired} | {r.get('accept_length', 1.0):.2f} | "
-                  f"{r.get('window', float('nan')):.2f} | {step} | {same} |")
+                  f"{r.get('window', float('nan')):.2f} | {rounds} | {step} | {same} |")
     predictions = [{"workload": r["workload"], "batch": r["batch"], **r["step_prediction"]}
                    for r in rows if "step_prediction" in r]
     if predictions:

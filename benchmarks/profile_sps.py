@@ -108,7 +108,7 @@ def engine_round_seconds(eng: SpeculativeEngine, bs: int, K: int, args, rng) -> 
         while eng.has_unfinished():
             eng.step()
         eng.spec.forced_budget = None
-    cell = [(t, s) for b, k, t, _, s in log if b == bs and k == K][args.warmup:]
+    cell = [(t, s) for b, k, t, _, s, _ in log if b == bs and k == K][args.warmup:]
     return cell[0][0], float(np.median([s for _, s in cell]))
 
 

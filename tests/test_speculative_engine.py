@@ -270,7 +270,7 @@ def test_level_correction_learns_from_every_read_round_and_stays_lossless(pair, 
     ctx = np.asarray(eng.stats["round_context"])
     assert len(ctx) == len(eng.stats["round_log"])  # every round here has a prediction
     replay = {regime: StepTimeCorrection(TABLE.bs_probes, 0.3) for regime in (True, False)}
-    for (bs, k, _tier, _verified, seconds), overlapped in zip(eng.stats["round_log"], ctx[:, 1]):
+    for (bs, k, _tier, _verified, seconds, _), overlapped in zip(eng.stats["round_log"], ctx[:, 1]):
         replay[bool(overlapped)].update(bs, TABLE.predict(bs, k), seconds)
     for regime in (True, False):  # one level per regime: overlapped and synchronous rounds
         learned = eng.scheduler_conf.corrections[regime]

@@ -528,8 +528,8 @@ class SpeculativeEngine(Engine):
     def _commit_round(self, rnd: _Round, j: int, out: SpecOutputs, measured: float):
         """Round j of a read call: statistics, calibration and scheduler records, then the commit."""
         G, bs, budget = self.gamma, len(rnd.reqs), rnd.budgets[j]
-        # (batch size, budget K, tier, tokens verified, seconds) per round, for profiling.
-        self.stats["round_log"].append((bs, budget, rnd.tier, int(out.verify_lens[:bs].sum()), measured))
+        # (batch size, budget K, tier, tokens verified, seconds, overlapped) per round, for profiling.
+        self.stats["round_log"].append((bs, budget, rnd.tier, int(out.verify_lens[:bs].sum()), measured, rnd.overlapped))
         if rnd.predicted_s is not None:  # predicted vs measured step time, for checking the cost table
             self.stats["predicted_step_s"].append(rnd.predicted_s)
             self.stats["table_step_s"].append(rnd.table_s[j])
