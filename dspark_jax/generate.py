@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sps-min-gain", type=float, default=None, metavar="G",
                     help="trim only when the predicted throughput beats verify-all by this fraction (>= 0; "
                          "default 0.04, SpeculativeConfig.min_predicted_gain)")
+    ap.add_argument("--rounds-per-call", type=int, default=None, metavar="N",
+                    help="DSpark rounds per dispatched executable (default 1): the host's work per round split "
+                         "n ways, for a loop the host paces (batch 64 on the H200: 1.03-1.27x at n = 2, "
+                         "benchmarks/results/speculative_default_gpu_bs64_t1_r2_paired_5c988af.md); each round "
+                         "executable then compiles n rounds unrolled")
     ap.add_argument("--sts-path", default=None, help="STS temperatures JSON (default: the drafter folder's "
                     "sts.json if it has one, else identity)")
     ap.add_argument("--record-sts-dir", default=None,
@@ -161,6 +166,7 @@ def _speculative_engine(args, model_path, ec):
         record_sts_dir=args.record_sts_dir,
         step_time_correction=level_correction(args.sps_level_correction, args.sps_table_path),
         **min_gain(args.sps_min_gain),
+        **rounds_per_call(args.rounds_per_call),
     )
     return SpeculativeEngine.from_pretrained(model_path, draft, ec, spec, block_size=args.block_size)
 
@@ -185,13 +191,23 @@ def min_gain(gain: float | None) -> dict:
     return {"min_predicted_gain": float(gain)}
 
 
+def rounds_per_call(n: int | None) -> dict:
+    """--rounds-per-call, checked, as SpeculativeConfig keyword arguments (none given: its default)."""
+    if n is None:
+        return {}
+    if n < 1:
+        raise ValueError(f"--rounds-per-call must be >= 1, got {n}")
+    return {"rounds_per_call": int(n)}
+
+
 def dspark_only_flags(args) -> list[str]:
     """The DSpark-only options set in ``args`` (the CLI's or the server's; the server has no
     --record-sts-dir), for the error when another algorithm is chosen."""
     given = (("--verify-mode", args.verify_mode != "static"), ("--block-size", args.block_size),
              ("--sps-table-path", args.sps_table_path), ("--sts-path", args.sts_path),
              ("--record-sts-dir", getattr(args, "record_sts_dir", None)),
-             ("--sps-level-correction", args.sps_level_correction), ("--sps-min-gain", args.sps_min_gain is not None))
+             ("--sps-level-correction", args.sps_level_correction), ("--sps-min-gain", args.sps_min_gain is not None),
+             ("--rounds-per-call", args.rounds_per_call is not None))
     return [flag for flag, set_ in given if set_]
 
 

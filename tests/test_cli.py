@@ -74,6 +74,12 @@ def test_speculative_flags_give_plain_greedy_tokens_and_spec_stats(hf_model_dir,
     assert p.returncode == 1 and "--sps-table-path" in p.stderr
     p = _run(*common, "--sps-min-gain", "-1")
     assert p.returncode == 1 and "--sps-min-gain must be >= 0" in p.stderr
+    # Two rounds per dispatch: still the plain engine's greedy tokens; 0 is refused.
+    p = _run(*common, "--verify-mode", "compact", "--sps-table-path", str(table), "--rounds-per-call", "2")
+    assert p.returncode == 0, p.stderr
+    assert [json.loads(l)["token_ids"] for l in p.stdout.strip().splitlines()] == [w.token_ids for w in want]
+    p = _run(*common, "--rounds-per-call", "0")
+    assert p.returncode == 1 and "--rounds-per-call must be >= 1" in p.stderr
     p = _run(*common, "--block-size", "7")
     assert p.returncode == 1 and "block size" in p.stderr
     p = _run(*common[:-2])  # no drafter folder and none embedded

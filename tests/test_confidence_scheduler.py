@@ -249,6 +249,34 @@ def test_min_gain_guard():
         ConfidenceScheduler(GAMMA, table, min_predicted_gain=-0.1)
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_guarded_budget_equals_brute_force_also_on_nearly_flat_tables(seed):
+    """With the min-gain guard on, a table whose prices over every budget differ by less than the
+    guard's factor decides verify-all without ranking (a shortcut); whether it takes the shortcut
+    or not, the budget is the brute-force argmax overridden by the guard exactly as the rule says."""
+    rng = np.random.default_rng(500 + seed)
+    rows, g = int(rng.integers(1, 20)), float(rng.choice([0.0, 0.02, 0.04, 0.1]))
+    spread = float(rng.choice([0.0, 0.01, 0.03, 0.2]))  # theta's rise over the whole budget range
+    bias = float(rng.uniform(5e-4, 2e-3))
+    args = (bias, [1.0, 32.0], [0.0, float(rng.uniform(0, 1e-4))], [0.0, 1.0, float(rows * W)],
+            [0.0, 0.0, spread * bias])
+    survival = _random_survival(rng, rows, quantised=seed % 3 == 0)
+    survival[rng.random(rows) < 0.2] *= 1e-7
+    fresh = rng.random(rows) < 0.2
+    k, values = _brute_force(args, survival.tolist(), fresh)
+    table = AdditiveCostTable(*args)
+    full = rows * GAMMA
+    tau_all = rows + sum(1.0 if fresh[r] else v for r in range(rows) for v in survival[r]
+                         if (1.0 if fresh[r] else v) >= SURVIVAL_EPS)
+    full_tput = tau_all / table.predict(rows, full)
+    expected = full if k != full and values[k] < full_tput * (1 + g) else k
+    d = ConfidenceScheduler(GAMMA, table, min_predicted_gain=g).decide_budget(survival, fresh)
+    assert d.budget == expected or values[d.budget] == pytest.approx(values[expected], rel=1e-12)
+    if d.budget == full:
+        assert d.expected_tokens == pytest.approx(tau_all)
+        assert d.predicted_step_seconds == pytest.approx(table.predict(rows, full))
+
+
 def test_level_correction_shifts_the_argmax_towards_verify_all():
     """A table whose level is too low overprices a verified token relative to the whole step.
     With the learned offset c, K = argmax tau(n) / (T(n) + c), brute-forced here."""

@@ -539,7 +539,9 @@ def test_launch_checks_the_level_correction_flag(tmp_path, capsys):
                           (["--sps-level-correction", "2", "--sps-table-path", "t.json"], "(0, 1]"),
                           (["--speculative-algorithm", "MTP", "--sps-level-correction", "0.2"], "DSpark options"),
                           (["--sps-min-gain", "-0.1"], ">= 0"),
-                          (["--speculative-algorithm", "MTP", "--sps-min-gain", "0.1"], "DSpark options")):
+                          (["--speculative-algorithm", "MTP", "--sps-min-gain", "0.1"], "DSpark options"),
+                          (["--rounds-per-call", "0"], ">= 1"),
+                          (["--speculative-algorithm", "MTP", "--rounds-per-call", "2"], "DSpark options")):
         with pytest.raises(SystemExit):
             resolve(ap.parse_args(argv), ap)
         assert message in capsys.readouterr().err

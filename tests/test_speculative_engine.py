@@ -250,7 +250,7 @@ def test_forced_budget_verifies_exactly_that_many_drafts(pair, plain):
         log = list(eng.stats["round_log"])
         assert len(log) == eng.stats["rounds"] - rounds_before
         rounds_before = eng.stats["rounds"]
-        for bs, k, tier, verified, seconds in log:
+        for bs, k, tier, verified, seconds, _ in log:
             assert k == min(K, bs * G) and verified == bs + k and seconds > 0
             assert tier == eng.tiers.tier_for(bs, k)
 
@@ -270,7 +270,8 @@ def test_level_correction_learns_from_every_read_round_and_stays_lossless(pair, 
     ctx = np.asarray(eng.stats["round_context"])
     assert len(ctx) == len(eng.stats["round_log"])  # every round here has a prediction
     replay = {regime: StepTimeCorrection(TABLE.bs_probes, 0.3) for regime in (True, False)}
-    for (bs, k, _tier, _verified, seconds, _), overlapped in zip(eng.stats["round_log"], ctx[:, 1]):
+    for (bs, k, _tier, _verified, seconds, logged), overlapped in zip(eng.stats["round_log"], ctx[:, 1]):
+        assert logged == bool(overlapped)  # the round log's regime is the context's
         replay[bool(overlapped)].update(bs, TABLE.predict(bs, k), seconds)
     for regime in (True, False):  # one level per regime: overlapped and synchronous rounds
         learned = eng.scheduler_conf.corrections[regime]

@@ -131,7 +131,8 @@ class ConfidenceScheduler:
                             if cost_table is not None and correction_weight is not None else None)
         # (step, slots, generations, survival [rows, gamma]) of the last lag + 1 observed steps
         self._ring: deque[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = deque(maxlen=self.lag + 1)
-        self._price_cache: dict[tuple[int, int], np.ndarray] = {}
+        self._price_cache: dict[tuple[int, int], tuple[np.ndarray, float]] = {}
+        self._range_cache: dict[int, tuple[float, float, float]] = {}
 
     # -- role 1: the batch budget -------------------------------------------------------
     def decide_budget(self, lagged_survival, fresh_mask, overlapped: bool = True) -> BudgetDecision:
@@ -165,6 +166,18 @@ class ConfidenceScheduler:
         if table is None:  # verify all: no ranking needed
             return BudgetDecision(full, cands.size, float(num_rows + cands.sum(dtype=np.float64)), None, None)
 
+        offset = self.corrections[bool(overlapped)].offset(num_rows) if self.corrections is not None else 0.0
+        if self.min_predicted_gain is not None:
+            lo, hi, full_price = self._price_range(num_rows)
+            if lo + offset > 0 and hi + offset < (lo + offset) * (1.0 + self.min_predicted_gain):
+                # No trim can pass the guard: a trim's predicted throughput is at most
+                # tau(all) / T_min <= the verify-all throughput x T_max / T_min < (1 + g) x it.
+                # (A host-paced loop prices every budget alike; skipping the ranking keeps the
+                # scheduler's host work, which that loop waits for, to the lag lookup.)
+                full_seconds = full_price + offset
+                tau_all = float(num_rows + cands.sum(dtype=np.float64))
+                return BudgetDecision(full, cands.size, tau_all, full_seconds, tau_all / full_seconds, True, full_price)
+
         cands = cands.astype(np.float64)  # a copy, also of a float64 view of the lag ring
         cands.sort()
         tau = np.empty(cands.size + 1)
@@ -172,7 +185,6 @@ class ConfidenceScheduler:
         np.add.accumulate(cands[::-1], out=tau[1:])
         tau[1:] += num_rows  # tau[n], n = 0..#cands
         prices, full_price = self._prices(num_rows, cands.size)
-        offset = self.corrections[bool(overlapped)].offset(num_rows) if self.corrections is not None else 0.0
         step_seconds = np.maximum(prices + offset, 1e-9) if offset else prices
         throughput = tau / step_seconds
         k = int(np.argmax(throughput))  # first maximum: ties go to the smaller budget
@@ -196,6 +208,15 @@ class ConfidenceScheduler:
             prices = np.asarray(self.cost_table.predict(num_rows, np.arange(max_budget + 1)), np.float64)
             full = float(self.cost_table.predict(num_rows, num_rows * self.block_size))
             hit = self._price_cache[key] = (np.maximum(prices, 1e-9), full)
+        return hit
+
+    def _price_range(self, num_rows: int) -> tuple[float, float, float]:
+        """(min, max) of the table's T(num_rows, n) over every budget n = 0..num_rows * gamma, and
+        T(num_rows, verify-all), cached by batch size."""
+        hit = self._range_cache.get(num_rows)
+        if hit is None:
+            prices = np.asarray(self.cost_table.predict(num_rows, np.arange(num_rows * self.block_size + 1)), np.float64)
+            hit = self._range_cache[num_rows] = (float(prices.min()), float(prices.max()), float(prices[-1]))
         return hit
 
     def record_step_time(self, batch_size: int, budget: int, measured_seconds: float, overlapped: bool = True) -> None:
