@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "default 0.04)")
     ap.add_argument("--rounds-per-call", type=int, metavar="N",
                     help="DSpark rounds per dispatched executable (default 1; 2 ran batch 64 1.03-1.27x faster on "
-                         "the H200, and compiles twice as long); tokens then stream N rounds at a time")
+                         "the H200; each executable holds N rounds unrolled, so it compiles longer); tokens then "
+                         "stream N rounds at a time")
     ap.add_argument("--sts-path", help="STS confidence calibration JSON; default: the drafter folder's sts.json "
                     "if it has one, else identity temperatures")
     ap.add_argument("--max-running-requests", type=int, default=16, help="decode slots (continuous batching)")

@@ -142,10 +142,11 @@ class SpeculativeConfig:
     # executable's dispatch above all) is split n ways, for a loop the host otherwise paces.  The
     # cost: the budget of each round comes from survival n rounds staler (the lag grows to
     # n x 2 overlapped), a request that finishes inside a call wastes its later rounds there, and
-    # the KV lookahead covers n blocks more.  Each round executable is n rounds unrolled.  At 2,
-    # T=1, batch 64 on the H200 the rounds took 1.0-1.2 ms each, against 1.4-1.9 ms at 1 in a
-    # separate run (speculative_default_gpu_bs64_t1_r2_paired_75bd63e.md, sps_table_gpu_t1_1973ceb.md);
-    # not yet paired against 1 in one run, so off by default.
+    # the KV lookahead covers n blocks more.  Each round executable is n rounds unrolled (it
+    # compiles longer).  Paired in one run at T=1, batch 64 on the H200, one round per
+    # dispatch ran 0.85 / 0.97 / 0.79x two on code / math / verse, its steady rounds 1.06-1.56 ms
+    # against 1.00-1.12 ms (speculative_default_gpu_bs64_t1_r2_paired_5c988af.md).  Off by
+    # default until measured at batch 1 and 8 (and for its start-up compile time).
     rounds_per_call: int = 1
 
 

@@ -270,13 +270,13 @@ class ConfidenceScheduler:
     # -- the lag ring --------------------------------------------------------------------
     def observe(self, step: int, survival, slot_generation, slots=None) -> None:
         """Record step ``step``'s survival [R, gamma] for the requests in ``slots`` (default
-        0..R-1), with each slot's generation id.  Steps must increase.  The arrays are kept as
-        given (not copied): the caller must not modify them afterwards."""
+        0..R-1), with each slot's generation id.  Steps must increase.  The rows are kept as
+        observed (copied, ~1 us) and matched to slots when read."""
         s = _survival_matrix(survival, self.block_size, "survival")
         slots_arr, gens = self._rows(s.shape[0], slot_generation, slots)
         if self._ring and step <= self._ring[-1][0]:
             raise ValueError(f"observed steps must increase: got {step} after {self._ring[-1][0]}")
-        self._ring.append((int(step), slots_arr, gens, s))
+        self._ring.append((int(step), slots_arr.copy(), gens.copy(), s.copy()))
 
     def lagged(self, step: int, slot_generation, slots=None) -> LaggedSurvival:
         """Survival observed at ``step - lag`` for these slots; fresh (1.0) where unknown."""
