@@ -17,7 +17,7 @@ after another).  With --waves 1 the batch starts full and drains as requests fin
 waves finished requests are replaced from the queue, so most rounds run at the full batch size
 (as in serving) and a pass holds waves times the work, which a slow stretch of the host then
 distorts less.  Every arm's engine lives for the whole run;
-a cell warms each arm up once on its prompts, then times --repeats passes with the arms
+a cell warms each arm up (--warmup-passes) on its prompts, then times --repeats passes with the arms
 interleaved (the order rotating each pass), so drifts of clock or host load hit every arm alike,
 and reports the median pass.  Reported: wall tok/s (generated tokens / wall time, prefill
 included), its ratio to the plain engine, mean accept length (tokens per round incl. the bonus),
@@ -94,10 +94,13 @@ def timed_pass(engine, groups, max_new: int, sampling=(0.0, 0, 1.0)) -> tuple[fl
     return time.perf_counter() - t0, results
 
 
-def run_cell(engines: dict, groups, max_new: int, repeats: int, sampling=(0.0, 0, 1.0)) -> dict:
-    """Warm every arm up, then `repeats` interleaved timed passes; one row per arm (median pass)."""
+def run_cell(engines: dict, groups, max_new: int, repeats: int, sampling=(0.0, 0, 1.0), warmups: int = 1) -> dict:
+    """Warm every arm up (`warmups` passes), then `repeats` interleaved timed passes; one row per
+    arm (median pass).  With lazy compilation a shape first met in a timed pass (a drain tail's
+    batch size, a trimmed tier) compiles inside it: more warm-up passes meet more shapes first."""
     for engine in engines.values():  # host paths, any lazily compiled shape
-        timed_pass(engine, groups, max_new, sampling)
+        for _ in range(warmups):
+            timed_pass(engine, groups, max_new, sampling)
         stats = getattr(engine, "stats", None)
         for k in ("predicted_step_s", "table_step_s", "measured_step_s", "round_context", "round_log"):
             if stats is not None and k in stats:
@@ -243,6 +246,8 @@ def main(argv=None):
     ap.add_argument("--max-prompt-tokens", type=int, default=384)
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--repeats", type=int, default=3, help="timed passes per cell (arms interleaved)")
+    ap.add_argument("--warmup-passes", type=int, default=1, help="untimed passes per arm and cell first (with "
+                    "--lazy-compile, shapes they meet compile outside the timed passes)")
     ap.add_argument("--waves", type=int, default=1, help="prompts per cell = waves x batch size, at most batch size "
                     "running at once (finished requests replaced from the queue)")
     ap.add_argument("--sps-table-path", type=Path, help="profiled cost table for compact+table")
@@ -320,7 +325,7 @@ def main(argv=None):
                 engine.set_max_running(bs)
             groups = cell_groups(prompts, bs, args.single_prompts, args.waves)
             cells = run_cell(engines, groups, args.max_new_tokens, args.repeats,
-                             (args.temperature, args.top_k, args.top_p))
+                             (args.temperature, args.top_k, args.top_p), warmups=args.warmup_passes)
             for arm, cell in cells.items():
                 rows.append({"arm": arm, "workload": workload, "batch": bs, "setup_s": setup[arm], **cell})
                 print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()

@@ -52,6 +52,30 @@ def test_step_time_accounting_and_per_round_record():
     assert cell["step_prediction"]["rounds"] == 6
 
 
+class _LoggingEngine:
+    """Each generate call logs three rounds (batch, K, tier, verified, seconds, overlapped): a
+    synchronous 3 ms and an overlapped 1 ms round at the full batch of 8, then an overlapped 5 ms
+    round at batch 6."""
+
+    def __init__(self):
+        self.stats = {"round_log": collections.deque(maxlen=100)}
+        self.calls = 0
+
+    def generate(self, prompts, params):
+        self.calls += 1
+        self.stats["round_log"].extend([(8, 0, 8, 8, 3e-3, False), (8, 0, 8, 8, 1e-3, True), (6, 0, 8, 6, 5e-3, True)])
+        return [_Result() for _ in prompts]
+
+
+def test_round_periods_at_full_batch_by_regime_after_the_warmups():
+    eng = _LoggingEngine()
+    cell = run_cell({"static": eng}, [["a"]], max_new=8, repeats=3, warmups=2)["static"]
+    assert eng.calls == 2 + 3
+    # the warm-up passes' rounds are dropped; the batch-6 rounds are not the full batch
+    assert cell["rounds_full_batch_overlapped"] == 3 and cell["round_ms_full_batch_overlapped"] == pytest.approx(1.0)
+    assert cell["rounds_full_batch_synchronous"] == 3 and cell["round_ms_full_batch_synchronous"] == pytest.approx(3.0)
+
+
 def test_cell_groups_single_prompts_at_batch_one_and_waves_above():
     prompts = [f"p{i}" for i in range(10)]
     assert cell_groups(prompts, 1, 3, waves=4) == [["p0"], ["p1"], ["p2"]]
