@@ -5,7 +5,9 @@ input arrays, dispatch, reading and committing), not by the device.  This runs o
 random prompts through a SpeculativeEngine (after a warm-up pass) under cProfile and prints the
 functions by own time and by cumulative time, with the round count, so a change to the host path
 can be judged per round.  Time spent waiting for the device shows up in the array read
-(``_value`` / ``device_get``).
+(``_value`` / ``device_get``).  Before the profiled pass, three passes without the profiler time
+each decode step (dispatch, read, commit): with --stub-rounds, the host's own microseconds per
+round, the figure to compare arms or commits by (cProfile inflates small calls several-fold).
 
     python benchmarks/profile_host_round.py --batch-size 64 --mode compact --out-dir $OUT
 """
