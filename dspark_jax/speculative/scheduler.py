@@ -131,8 +131,7 @@ class ConfidenceScheduler:
                             if cost_table is not None and correction_weight is not None else None)
         # (step, slots, generations, survival [rows, gamma]) of the last lag + 1 observed steps
         self._ring: deque[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = deque(maxlen=self.lag + 1)
-        self._price_cache: dict[tuple[int, int], tuple[np.ndarray, float]] = {}
-        self._range_cache: dict[int, tuple[float, float, float]] = {}
+        self._price_cache: dict[int, tuple[np.ndarray, float, float, float]] = {}
 
     # -- role 1: the batch budget -------------------------------------------------------
     def decide_budget(self, lagged_survival, fresh_mask, overlapped: bool = True) -> BudgetDecision:
@@ -168,7 +167,7 @@ class ConfidenceScheduler:
 
         offset = self.corrections[bool(overlapped)].offset(num_rows) if self.corrections is not None else 0.0
         if self.min_predicted_gain is not None:
-            lo, hi, full_price = self._price_range(num_rows)
+            _, lo, hi, full_price = self._prices(num_rows)
             if lo + offset > 0 and hi + offset < (lo + offset) * (1.0 + self.min_predicted_gain):
                 # No trim can pass the guard: a trim's predicted throughput is at most
                 # tau(all) / T_min <= the verify-all throughput x T_max / T_min < (1 + g) x it.
@@ -184,7 +183,8 @@ class ConfidenceScheduler:
         tau[0] = num_rows
         np.add.accumulate(cands[::-1], out=tau[1:])
         tau[1:] += num_rows  # tau[n], n = 0..#cands
-        prices, full_price = self._prices(num_rows, cands.size)
+        prices, _, _, full_price = self._prices(num_rows)
+        prices = prices[: cands.size + 1]  # n = 0..#candidates
         step_seconds = np.maximum(prices + offset, 1e-9) if offset else prices
         throughput = tau / step_seconds
         k = int(np.argmax(throughput))  # first maximum: ties go to the smaller budget
@@ -196,27 +196,15 @@ class ConfidenceScheduler:
         return BudgetDecision(k, cands.size, float(tau[k]), float(step_seconds[k]), float(throughput[k]),
                               table_step_seconds=float(prices[k]))
 
-    def _prices(self, num_rows: int, max_budget: int) -> tuple[np.ndarray, float]:
-        """The table's T(num_rows, n) for n = 0..max_budget (floored at 1 ns) and T(num_rows, full),
-        cached: the table never changes and a serving batch keeps the same (batch size,
-        candidates) for many rounds."""
-        key = (num_rows, max_budget)
-        hit = self._price_cache.get(key)
-        if hit is None:
-            if len(self._price_cache) >= 512:
-                self._price_cache.clear()
-            prices = np.asarray(self.cost_table.predict(num_rows, np.arange(max_budget + 1)), np.float64)
-            full = float(self.cost_table.predict(num_rows, num_rows * self.block_size))
-            hit = self._price_cache[key] = (np.maximum(prices, 1e-9), full)
-        return hit
-
-    def _price_range(self, num_rows: int) -> tuple[float, float, float]:
-        """(min, max) of the table's T(num_rows, n) over every budget n = 0..num_rows * gamma, and
-        T(num_rows, verify-all), cached by batch size."""
-        hit = self._range_cache.get(num_rows)
+    def _prices(self, num_rows: int) -> tuple[np.ndarray, float, float, float]:
+        """The table's T(num_rows, n) for every budget n = 0..num_rows * gamma (floored at 1 ns),
+        its min and max, and T(num_rows, verify-all), cached by batch size: the table never
+        changes and a serving batch keeps its size for many rounds."""
+        hit = self._price_cache.get(num_rows)
         if hit is None:
             prices = np.asarray(self.cost_table.predict(num_rows, np.arange(num_rows * self.block_size + 1)), np.float64)
-            hit = self._range_cache[num_rows] = (float(prices.min()), float(prices.max()), float(prices[-1]))
+            hit = self._price_cache[num_rows] = (np.maximum(prices, 1e-9), float(prices.min()), float(prices.max()),
+                                                 float(prices[-1]))
         return hit
 
     def record_step_time(self, batch_size: int, budget: int, measured_seconds: float, overlapped: bool = True) -> None:
