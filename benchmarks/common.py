@@ -95,6 +95,47 @@ def device_kernel_events(trace_dir: str) -> list[tuple[str, float, float]]:
     return sorted(events, key=lambda e: e[1])
 
 
+def host_event_summary(trace_dir: str) -> list[dict]:
+    """Host-thread events of a profiler trace, by (thread, name): count, inclusive and self
+    microseconds (self = the event's span minus the spans of events directly nested in it on its
+    thread), heaviest self time first.  Shows where a dispatch call's host time goes inside
+    jaxlib (argument handling, buffer allocation, thunk execution, kernel launches)."""
+    import collections
+
+    from jax.profiler import ProfileData
+
+    paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    if not paths:
+        raise RuntimeError(f"no trace written under {trace_dir}")
+    totals = collections.defaultdict(lambda: [0, 0.0, 0.0])  # (thread, name) -> count, incl ns, self ns
+    for plane in ProfileData.from_file(paths[0]).planes:
+        if not plane.name.startswith("/host:CPU"):
+            continue
+        for line in plane.lines:
+            events = sorted(((float(e.start_ns), float(e.duration_ns), e.name) for e in line.events),
+                            key=lambda e: (e[0], -e[1]))
+            stack = []  # [end_ns, name, duration, nested duration]
+
+            def close(entry):
+                end, name, dur, nested = entry
+                t = totals[line.name, name]
+                t[0] += 1
+                t[1] += dur
+                t[2] += max(dur - nested, 0.0)
+
+            for start, dur, name in events:
+                while stack and stack[-1][0] <= start:
+                    close(stack.pop())
+                if stack:
+                    stack[-1][3] += dur
+                stack.append([start + dur, name, dur, 0.0])
+            while stack:
+                close(stack.pop())
+    rows = [{"thread": th, "name": n, "count": c, "inclusive_us": i / 1e3, "self_us": s / 1e3}
+            for (th, n), (c, i, s) in totals.items()]
+    return sorted(rows, key=lambda r: -r["self_us"])
+
+
 def device_us_per_call(call, n: int = 50, warmup: int = 3) -> tuple[float, str]:
     """Device time per call of ``call()`` (which dispatches one jitted call and returns its
     result): the summed durations of the GPU kernels it launched, from a profiler trace of n

@@ -7,7 +7,8 @@ not.  This profiler builds the compact engine on the embedded pair (or the given
 steady batch at --context, and for each (sampling setting, budget fraction) traces --rounds
 dispatches of the compiled round with ``jax.profiler``: per round the span of its kernels, the
 time they were busy, the gaps between them, and the kernels by total time, beside the wall time
-of a blocked call and the period of calls dispatched back to back.
+of a blocked call and the period of calls dispatched back to back, and the calling thread's host
+events during those dispatches (where the call's own time goes inside jaxlib).
 
 Sampling settings: ``greedy-variant`` (every request at temperature 0, the greedy round
 executable: no sort, no draws), ``t0`` (temperature 0 through the general executable, as rounds
@@ -32,7 +33,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.common import device_kernel_events, environment, time_chain, time_fn, write_results
+from benchmarks.common import device_kernel_events, environment, host_event_summary, time_chain, time_fn, write_results
 from benchmarks.profile_decode_step import summarize
 from benchmarks.profile_sps import steady_inputs
 from dspark_jax.engine import EngineConfig
@@ -68,13 +69,18 @@ def profile_case(eng, bs: int, K: int, setting: str, args) -> dict:
             out = call()
         jax.block_until_ready(out)
     events = device_kernel_events(trace_dir) if jax.default_backend() == "gpu" else []
+    # The calling thread's events during the same chained dispatches, where a call's host time
+    # goes: those of every round (the chain's one final wait and the trace's stop are not).
+    host = [dict(e, count=e["count"] / args.rounds, self_us=e["self_us"] / args.rounds,
+                 inclusive_us=e["inclusive_us"] / args.rounds)
+            for e in host_event_summary(trace_dir) if e["thread"] == "python" and e["count"] >= args.rounds][:args.top]
     for i in range(bs):
         eng.pool.free(("profile", i))
     fams = collections.defaultdict(float)
     for name, _, d in events:
         fams[family(name)] += d / args.rounds / 1e3
     return {"setting": setting, "bs": bs, "K": K, "tier": T, "blocked_ms": blocked * 1e3, "chained_ms": chained * 1e3,
-            "families_us": dict(sorted(fams.items(), key=lambda kv: -kv[1])),
+            "families_us": dict(sorted(fams.items(), key=lambda kv: -kv[1])), "host_events": host,
             **summarize(events, args.rounds, args.top)}
 
 
@@ -182,6 +188,13 @@ def main(argv=None):
                    "| kernel | calls/round | us/round |", "|---|---:|---:|"]
             md += [f"| `{k['name'][:90]}` | {k['calls_per_step']:.0f} | {k['us_per_step']:.1f} |"
                    for k in r["top_kernels"]]
+    for r in rows:
+        if r["host_events"]:
+            md += ["", f"Host events on the calling thread, {r['setting']}, K {r['K']} (tier {r['tier']}), per round of "
+                   "the chained dispatches, by self time (span minus the events nested in it):", "",
+                   "| event | count | self us | inclusive us |", "|---|---:|---:|---:|"]
+            md += [f"| `{e['name'][:90]}` | {e['count']:.1f} | {e['self_us']:.1f} | {e['inclusive_us']:.1f} |"
+                   for e in r["host_events"]]
     write_results(name, {"env": env, "args": vars(args), "rows": rows, "pipelines": pipes}, "\n".join(md) + "\n", args.out_dir)
     print("\n".join(md))
 

@@ -70,15 +70,28 @@ def sampling_arrays(params: list[SamplingParams], seeds: list[int], positions: l
 
 
 def _filtered_logits(logits, temperature, top_k, top_p):
-    """Temperature-scaled logits with everything outside top-k / nucleus top-p set to -inf."""
+    """Temperature-scaled logits with everything outside top-k / nucleus top-p set to -inf.
+
+    The cut sorts every row's vocabulary, the costliest work of a sampling round (335 of ~1030 us
+    of kernel time in a batch-64 speculative round on the H200 at tier 512,
+    benchmarks/results/round_profile_gpu_bs64_1973ceb.md), so it runs only when some row asks for
+    top-k or top-p, chosen on the device (on the H200 a ``lax.cond`` on a device value does not
+    block the host: benchmarks/results/probe_host_sync_gpu_446209e.md).  A row without filters
+    keeps every token either way, so its distribution does not depend on its batch."""
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    V = logits.shape[-1]
+    filtered = (top_k > 0) | (top_p < 1.0)
+    return jax.lax.cond(jnp.any(filtered), _top_k_top_p_cut, lambda s, *_: s, scaled, top_k, top_p)
+
+
+def _top_k_top_p_cut(scaled, top_k, top_p):
+    V = scaled.shape[-1]
     sorted_desc = -jnp.sort(-scaled, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
     probs = jax.nn.softmax(sorted_desc, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs  # exclusive cumulative mass
-    keep_sorted = mass_before < top_p[:, None]
+    # top_p 1 keeps everything, even a tail whose rounded cumulative mass reaches 1.
+    keep_sorted = (mass_before < top_p[:, None]) | (top_p >= 1.0)[:, None]
     # The smallest logit still inside the nucleus; ties with it stay in.
     n_keep = jnp.maximum(keep_sorted.sum(-1), 1)
     pth = jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)
@@ -94,15 +107,16 @@ def sample(logits, temperature, top_k, top_p, seed, position, *, variant: str = 
 
     ``variant`` says which rows a compiled step is built for:
 
-    * "any": the sort / top-p work runs only when some row samples, chosen on device by
-      ``lax.cond``.  On the GPU, XLA's conditional copies its predicate to the host and waits
-      for the device to reach it, a host sync inside the step;
+    * "any": the sampling path runs only when some row samples, chosen on the device by
+      ``lax.cond``;
     * "greedy": every row has temperature 0: the argmax alone, no sort;
-    * "stochastic": no conditional: the sampling path for every row (rows with temperature 0
-      still take the argmax), the same tokens as "any".
+    * "stochastic": the sampling path for every row, without that conditional (rows with
+      temperature 0 still take the argmax), the same tokens as "any".
 
     An engine that knows its batch on the host (EngineConfig.sampling_variants) runs "greedy" or
-    "stochastic" executables and never blocks inside a step."""
+    "stochastic" executables.  (The conditional was once thought to sync the host on the GPU; on
+    the H200 it does not, benchmarks/results/probe_host_sync_gpu_446209e.md.)  In both sampling
+    paths the top-k / top-p sort is itself behind a device-side conditional (_filtered_logits)."""
     if variant not in SAMPLING_VARIANTS:
         raise ValueError(f"variant must be one of {SAMPLING_VARIANTS}, got {variant!r}")
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)

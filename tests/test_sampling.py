@@ -20,7 +20,7 @@ def np_filter(logits, temp, top_k, top_p):
         p /= p.sum()
         nucleus, mass = set(), 0.0
         for i, t in enumerate(order):
-            if mass >= top_p[r]:
+            if top_p[r] < 1.0 and mass >= top_p[r]:  # top_p 1 keeps every token
                 break
             nucleus.add(t)
             mass += p[i]
@@ -90,8 +90,31 @@ def test_host_chosen_variants_match_the_device_choice():
     np.testing.assert_array_equal(sample(*greedy_args, variant="greedy"), np.argmax(np.asarray(logits), -1))
     np.testing.assert_array_equal(sample(*greedy_args, variant="stochastic"), sample(*greedy_args, variant="greedy"))
     hlo = {v: jax.jit(lambda *a, v=v: sample(*a, variant=v)).lower(*args).as_text() for v in ("any", "greedy", "stochastic")}
-    assert "conditional" in hlo["any"] or "case" in hlo["any"]
-    assert "conditional" not in hlo["stochastic"] and "case" not in hlo["stochastic"]
+    conditionals = {v: text.count("stablehlo.case") + text.count("stablehlo.if") for v, text in hlo.items()}
+    # "any" chooses sampling on the device; both sampling variants choose the filter's sort there
+    assert conditionals == {"any": 2, "greedy": 0, "stochastic": 1}, conditionals
     assert "sort" not in hlo["greedy"] and "sort" in hlo["stochastic"]
     with pytest.raises(ValueError, match="variant"):
         sample(*args, variant="topk")
+
+
+def test_rows_without_filters_skip_the_cut_and_ignore_their_batch():
+    """No row filters: the tempered logits come back untouched.  A row without filters gets the
+    same logits whether or not another row of its batch filters (the cut is then computed for the
+    whole batch), and top_p 1 keeps even a tail whose float32 cumulative mass rounds to 1, which
+    the cut alone would drop."""
+    rng = np.random.default_rng(4)
+    R, V = 4, 40
+    logits = rng.standard_normal((R, V)).astype(np.float32) * 3
+    logits[0, 1:] = -40.0  # the tail's mass (~4e-18 each) vanishes next to the first token's
+    temp = np.array([1.0, 0.7, 0.0, 1.3], np.float32)
+    none_k, none_p = np.zeros(R, np.int32), np.ones(R, np.float32)
+    plain = np.asarray(_filtered_logits(jnp.asarray(logits), temp, none_k, none_p))
+    np.testing.assert_array_equal(plain, np.asarray(jnp.asarray(logits) / jnp.maximum(jnp.asarray(temp), 1e-6)[:, None]))
+    mixed_k, mixed_p = none_k.copy(), none_p.copy()
+    mixed_k[3], mixed_p[1] = 5, 0.6  # rows 1 and 3 filter, rows 0 and 2 do not
+    mixed = np.asarray(_filtered_logits(jnp.asarray(logits), temp, mixed_k, mixed_p))
+    np.testing.assert_array_equal(mixed[[0, 2]], plain[[0, 2]])
+    assert np.isfinite(mixed[0]).all()
+    ref = np_filter(logits, temp, mixed_k, mixed_p)
+    np.testing.assert_array_equal(np.isfinite(mixed), np.isfinite(ref))

@@ -125,8 +125,8 @@ class SpeculativeConfig:
     draft_temperature_scale: float = 1.0
     # A second round executable per tier for all-greedy batches, chosen on the host: drafting
     # takes the argmax without random draws and acceptance the exact-match rule without the
-    # filtered target distribution (a round otherwise sorts the vocabulary of every verified row,
-    # greedy or not).  Off until measured: it doubles the round executables compiled at start-up
+    # target distribution over the vocabulary (the sort of its top-k / top-p cut already runs only
+    # when some row asks for one: sampling._filtered_logits).  Off until measured: it doubles the round executables compiled at start-up
     # (the default pair's tiers took ~200 s to compile on the H200 without it).
     greedy_rounds: bool = False
     # Admissions without draining the overlap (_prefill_step): a prefill is dispatched behind the
