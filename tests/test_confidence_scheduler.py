@@ -277,6 +277,37 @@ def test_guarded_budget_equals_brute_force_also_on_nearly_flat_tables(seed):
         assert d.predicted_step_seconds == pytest.approx(table.predict(rows, full))
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_a_table_flat_in_k_can_never_trim(seed):
+    """A table whose theta is one constant (the engine-loop profile of a host-paced loop) under
+    a min-gain guard g > 0: the full ranking decides verify-all on any survival, at any batch size
+    and with any learned level, so can_trim is False and verify_all (no survival) returns the
+    same budget and predicted time.  Without the guard, or with theta rising, it can trim."""
+    rng = np.random.default_rng(700 + seed)
+    bias, theta = float(rng.uniform(5e-4, 2e-3)), float(rng.uniform(0, 5e-4))
+    flat = AdditiveCostTable(bias, [1.0, 8.0, 64.0], [0.0, *rng.uniform(0, 3e-4, 2)], [0.0, 64.0, 512.0],
+                             [theta] * 3)
+    sched = ConfidenceScheduler(GAMMA, flat, min_predicted_gain=float(rng.choice([0.01, 0.04])), correction_weight=1.0)
+    assert not sched.can_trim
+    for regime, level in ((True, float(rng.uniform(-0.4, 1.0))), (False, float(rng.uniform(-0.4, 1.0)))):
+        sched.record_step_time(8, 0, flat.predict(8, 0) * (1 + level), overlapped=regime)  # weight 1: this level
+    for rows in (1, 3, 8, 20, 64):
+        survival = _random_survival(rng, rows, quantised=bool(rng.integers(2)))
+        survival[rng.random(rows) < 0.2] *= 1e-7  # some candidates under SURVIVAL_EPS
+        fresh = rng.random(rows) < 0.2
+        for overlapped in (True, False):
+            ranked = sched.decide_budget(survival, fresh, overlapped=overlapped)
+            quick = sched.verify_all(rows, overlapped=overlapped)
+            assert ranked.budget == quick.budget == rows * GAMMA
+            assert quick.predicted_step_seconds == pytest.approx(ranked.predicted_step_seconds, rel=1e-12)
+            assert quick.table_step_seconds == pytest.approx(flat.predict(rows, rows * GAMMA), rel=1e-12)
+    for g in (None, 0.0):  # these drop the candidates under SURVIVAL_EPS
+        assert ConfidenceScheduler(GAMMA, flat, min_predicted_gain=g).can_trim
+    rising = AdditiveCostTable(bias, [1.0], [0.0], [0.0, 512.0], [theta, theta + 1e-6])
+    assert ConfidenceScheduler(GAMMA, rising, min_predicted_gain=0.04).can_trim
+    assert not ConfidenceScheduler(GAMMA, None).can_trim
+
+
 def test_level_correction_shifts_the_argmax_towards_verify_all():
     """A table whose level is too low overprices a verified token relative to the whole step.
     With the learned offset c, K = argmax tau(n) / (T(n) + c), brute-forced here."""

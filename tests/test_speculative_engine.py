@@ -289,6 +289,27 @@ def test_level_correction_learns_from_every_read_round_and_stays_lossless(pair, 
     np.testing.assert_array_equal(ctx[:, 2:], log)
 
 
+def test_a_table_flat_in_k_verifies_everything_without_the_lag_ring(pair, plain):
+    """Compact with a cost table flat in K (a host-paced loop's profile) under the default guard:
+    every round verifies the whole block, as static does, without ranking or keeping survival
+    (the lag ring stays empty); rounds are still priced by the table (its full-block time plus
+    the learned level) and greedy output is plain greedy."""
+    target, tok, drafter = pair
+    G = drafter.config.block_size
+    flat = AdditiveCostTable(1e-3, (1, 4), (0.0, 1e-4), (1, 8, 40), (2e-4, 2e-4, 2e-4))
+    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC),
+                            SpeculativeConfig(mode="compact", cost_table=flat, step_time_correction=0.3))
+    prompts = _prompts(target.config.vocab_size, 5, seed=12)
+    got = eng.generate(prompts, GREEDY)
+    assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(prompts, GREEDY)]
+    assert not eng.scheduler_conf._ring
+    log = list(eng.stats["round_log"])
+    assert log and all(k == bs * G and verified == bs * (G + 1) for bs, k, _tier, verified, *_ in log)
+    table = np.asarray(eng.stats["table_step_s"])
+    np.testing.assert_allclose(table, [flat.predict(bs, bs * G) for bs, *_ in log], rtol=1e-12)
+    assert len(eng.stats["predicted_step_s"]) == len(log) and eng.scheduler_conf.corrections[True].rounds.sum() > 0
+
+
 def test_compact_and_cap_accept_commit_identical_tokens(pair):
     target, tok, drafter = pair
     prompts = _prompts(target.config.vocab_size, 6, seed=5)

@@ -215,6 +215,15 @@ class SpeculativeEngine(Engine):
         self.scheduler_conf = ConfidenceScheduler(G, self.spec.cost_table, lag=lag,
                                                   min_predicted_gain=self.spec.min_predicted_gain,
                                                   correction_weight=self.spec.step_time_correction)
+        # Whether rounds take their budget from the confidence scheduler, which keeps a lag ring
+        # for it.  Not without a cost table (verify-all) nor with a forced budget (profiling); nor
+        # with a table flat in K under the min-gain guard, which can only ever verify everything
+        # (ConfidenceScheduler.can_trim): such rounds verify all, priced by the table without
+        # survival (_prices_verify_all), and skip the ranking and the ring, host work a
+        # host-paced loop waits for.
+        priced = self.spec.mode != "static" and self.spec.cost_table is not None and self.spec.forced_budget is None
+        self._schedules = priced and self.scheduler_conf.can_trim
+        self._prices_verify_all = priced and not self._schedules
         top = max(self.decode_buckets) * (G + 1)
         step = self.spec.tier_step if self.spec.tier_step is not None else max(64, -(-top // 8 // 64) * 64)
         self.tiers = TokenTiers(G, self.decode_buckets, tier_step=step or None)
@@ -274,13 +283,6 @@ class SpeculativeEngine(Engine):
         # Online calibration of the confidence head, where labels are uncensored (full-block verify).
         self.confidence_metrics = ConfidenceMetricsAccumulator(G) if self.spec.mode != "compact" else None
         self.compile_seconds = self._compile_all() if (config or EngineConfig()).precompile else 0.0
-
-    @property
-    def _schedules(self) -> bool:
-        """Whether rounds take their budget from the confidence scheduler.  Without a cost table
-        its budget is always verify-all and a forced budget (profiling) overrides it, so neither
-        asks it, nor keeps its lag ring: host work a round would wait for."""
-        return self.spec.mode != "static" and self.spec.cost_table is not None and self.spec.forced_budget is None
 
     def _extra_kv_bytes_per_token(self, model) -> int:
         d = self.drafter.config
@@ -453,8 +455,9 @@ class SpeculativeEngine(Engine):
                 if self.spec.cost_table is not None:
                     predictions.append(self.spec.cost_table.predict(bs, K))
                     table_times.append(predictions[-1])
-            elif self._schedules:
-                decision = self.scheduler_conf.decide_lagged(step + j, generations, slots, overlapped=prev is not None)
+            elif self._schedules or self._prices_verify_all:
+                decision = (self.scheduler_conf.decide_lagged(step + j, generations, slots, overlapped=prev is not None)
+                            if self._schedules else self.scheduler_conf.verify_all(bs, overlapped=prev is not None))
                 K = decision.budget
                 predictions.append(decision.predicted_step_seconds)
                 table_times.append(decision.table_step_seconds)

@@ -104,6 +104,13 @@ class AdditiveCostTable:
         object.__setattr__(self, "theta_seconds", theta)
 
     # -- lookup -------------------------------------------------------------------------
+    @property
+    def prices_budget(self) -> bool:
+        """Whether the verify budget K moves a prediction at all.  A loop the host paces profiles
+        flat (benchmarks/results/sps_table_gpu_t1_r2_bs64_9b65b74.md: theta 0 at every probe):
+        then every K costs the same and no trim can raise tau(K) / T above verify-all."""
+        return bool(np.ptp(self.theta_seconds) > 0)
+
     def alpha(self, bs):
         return np.interp(bs, self.bs_probes, self.alpha_seconds)
 

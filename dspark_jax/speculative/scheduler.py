@@ -133,6 +133,27 @@ class ConfidenceScheduler:
         self._ring: deque[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = deque(maxlen=self.lag + 1)
         self._price_cache: dict[int, tuple[np.ndarray, float, float, float]] = {}
 
+    @property
+    def can_trim(self) -> bool:
+        """Whether any decision can be a trim.  Not without a table, and not with a table flat in
+        K under a min-gain guard g > 0: tau(n) grows with n while T(R, n) + c(R) stays put, so no
+        budget's throughput beats verify-all's, let alone by 1 + g, at any batch size, whatever
+        the survival and the level correction.  (Without the guard, or with g = 0, a flat table
+        still drops the candidates below SURVIVAL_EPS.)  The engine then keeps no lag ring."""
+        g = self.min_predicted_gain
+        return self.cost_table is not None and (self.cost_table.prices_budget or g is None or g <= 0)
+
+    def verify_all(self, num_rows: int, overlapped: bool = True) -> BudgetDecision:
+        """What ``decide_budget`` returns when ``can_trim`` is False, without survival: verify-all
+        with its predicted step time (expected tokens unknown: NaN)."""
+        full = num_rows * self.block_size
+        if self.cost_table is None:
+            return BudgetDecision(full, full, float("nan"), None, None)
+        offset = self.corrections[bool(overlapped)].offset(num_rows) if self.corrections is not None else 0.0
+        full_price = self._prices(num_rows)[3]
+        seconds = max(full_price + offset, 1e-9)
+        return BudgetDecision(full, full, float("nan"), seconds, float("nan"), False, full_price)
+
     # -- role 1: the batch budget -------------------------------------------------------
     def decide_budget(self, lagged_survival, fresh_mask, overlapped: bool = True) -> BudgetDecision:
         """K = global argmax of tau(n) / T(R, n) over n = 0..#candidates (module doc); overlapped:
