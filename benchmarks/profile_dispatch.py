@@ -44,7 +44,8 @@ from benchmarks.hlo_launches import count_launches
 
 
 def capture_round(batch_size: int):
-    """(compiled round executable, its positional arguments, the engine) of a real compact round;
+    """(compiled round executable, its positional arguments, the engine) of a real round (compact
+    mode without a cost table verifies every block: a static round);
     the caches in the captured arguments were donated: use the engine's current ones."""
     from dspark_jax.default_model import default_drafter_path, default_model_path
     from dspark_jax.engine import EngineConfig
@@ -62,8 +63,8 @@ def capture_round(batch_size: int):
     seen = {}
     compiled = eng._compiled_spec
 
-    def recording(T, S, P, greedy=False):
-        fn = compiled(T, S, P, greedy)
+    def recording(T, S, P, greedy=False, mode=None):
+        fn = compiled(T, S, P, greedy, mode)
 
         def call(*args):
             seen["fn"], seen["args"] = fn, args

@@ -35,10 +35,10 @@ def stub_rounds(eng) -> None:
 
     real, seen = eng._run_round, {}
 
-    def replay(T, S, inp, greedy=False):
-        key = (T, S, inp.page_table.shape[1], greedy)
+    def replay(T, S, inp, greedy=False, mode=None):
+        key = (T, S, inp.page_table.shape[1], greedy, mode)
         if key not in seen:
-            seen[key] = jax.block_until_ready(real(T, S, inp, greedy))
+            seen[key] = jax.block_until_ready(real(T, S, inp, greedy, mode))
         return seen[key]
 
     eng._run_round = replay

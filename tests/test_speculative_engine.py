@@ -120,9 +120,9 @@ def test_greedy_round_variant_commits_the_same_tokens(pair, plain, mode):
     ref = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC, precompile=False), spec())
     seen, run_round = [], eng._run_round
 
-    def recording(T, S, inp, greedy=False):
+    def recording(T, S, inp, greedy=False, mode=None):
         seen.append(greedy)
-        return run_round(T, S, inp, greedy)
+        return run_round(T, S, inp, greedy, mode)
 
     eng._run_round = recording
     prompts = _prompts(target.config.vocab_size, 6, seed=31)
@@ -289,25 +289,35 @@ def test_level_correction_learns_from_every_read_round_and_stays_lossless(pair, 
     np.testing.assert_array_equal(ctx[:, 2:], log)
 
 
-def test_a_table_flat_in_k_verifies_everything_without_the_lag_ring(pair, plain):
-    """Compact with a cost table flat in K (a host-paced loop's profile) under the default guard:
-    every round verifies the whole block, as static does, without ranking or keeping survival
-    (the lag ring stays empty); rounds are still priced by the table (its full-block time plus
-    the learned level) and greedy output is plain greedy."""
+FLAT = AdditiveCostTable(1e-3, (1, 4), (0.0, 1e-4), (1, 8, 40), (2e-4, 2e-4, 2e-4))  # flat in K
+
+
+@pytest.mark.parametrize("mode, table", [("compact", FLAT), ("compact", None), ("cap-accept", None), ("compact", TABLE)])
+def test_engines_that_cannot_trim_run_static_rounds(pair, plain, mode, table):
+    """A compact or cap-accept engine whose scheduler can never trim (no cost table, or one flat
+    in K under the default guard) verifies every block without ranking or keeping survival (the
+    lag ring stays empty), through the static round executables, the only ones it compiles; with
+    a table it still prices each round (the table's full-block time plus the learned level).
+    Greedy output is plain greedy.  A table that prices K keeps the engine's own mode."""
     target, tok, drafter = pair
     G = drafter.config.block_size
-    flat = AdditiveCostTable(1e-3, (1, 4), (0.0, 1e-4), (1, 8, 40), (2e-4, 2e-4, 2e-4))
     eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC),
-                            SpeculativeConfig(mode="compact", cost_table=flat, step_time_correction=0.3))
+                            SpeculativeConfig(mode=mode, cost_table=table, step_time_correction=0.3))
     prompts = _prompts(target.config.vocab_size, 5, seed=12)
     got = eng.generate(prompts, GREEDY)
     assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(prompts, GREEDY)]
-    assert not eng.scheduler_conf._ring
+    modes = {key[1] for key in eng._compiled if key[0] == "spec"}
+    if table is TABLE:
+        assert modes == {mode} and eng.scheduler_conf._ring
+        return
+    assert modes == {"static"} and not eng.scheduler_conf._ring
     log = list(eng.stats["round_log"])
     assert log and all(k == bs * G and verified == bs * (G + 1) for bs, k, _tier, verified, *_ in log)
-    table = np.asarray(eng.stats["table_step_s"])
-    np.testing.assert_allclose(table, [flat.predict(bs, bs * G) for bs, *_ in log], rtol=1e-12)
-    assert len(eng.stats["predicted_step_s"]) == len(log) and eng.scheduler_conf.corrections[True].rounds.sum() > 0
+    assert eng.summary()["confidence"]  # uncensored labels: the online calibration metrics run
+    if table is not None:
+        table_s = np.asarray(eng.stats["table_step_s"])
+        np.testing.assert_allclose(table_s, [table.predict(bs, bs * G) for bs, *_ in log], rtol=1e-12)
+        assert len(eng.stats["predicted_step_s"]) == len(log) and eng.scheduler_conf.corrections[True].rounds.sum() > 0
 
 
 def test_compact_and_cap_accept_commit_identical_tokens(pair):

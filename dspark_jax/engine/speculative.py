@@ -224,6 +224,11 @@ class SpeculativeEngine(Engine):
         priced = self.spec.mode != "static" and self.spec.cost_table is not None and self.spec.forced_budget is None
         self._schedules = priced and self.scheduler_conf.can_trim
         self._prices_verify_all = priced and not self._schedules
+        # A compact or cap-accept engine that can never trim (no cost table, or one flat in K)
+        # verifies every block, which is what a static round does and commits: its rounds run
+        # the static executables, the only ones it compiles (no window ranking on the device, no
+        # second set of executables; a round with a forced budget still runs its own mode).
+        self._verifies_all = self.spec.mode != "static" and not self._schedules and self.estimator is None
         top = max(self.decode_buckets) * (G + 1)
         step = self.spec.tier_step if self.spec.tier_step is not None else max(64, -(-top // 8 // 64) * 64)
         self.tiers = TokenTiers(G, self.decode_buckets, tier_step=step or None)
@@ -281,7 +286,8 @@ class SpeculativeEngine(Engine):
         from dspark_jax.calibration.metrics import ConfidenceMetricsAccumulator
 
         # Online calibration of the confidence head, where labels are uncensored (full-block verify).
-        self.confidence_metrics = ConfidenceMetricsAccumulator(G) if self.spec.mode != "compact" else None
+        self.confidence_metrics = (ConfidenceMetricsAccumulator(G) if self.spec.mode != "compact" or self._verifies_all
+                                   else None)
         self.compile_seconds = self._compile_all() if (config or EngineConfig()).precompile else 0.0
 
     def _extra_kv_bytes_per_token(self, model) -> int:
@@ -321,14 +327,19 @@ class SpeculativeEngine(Engine):
         mx = self.ec.max_running_requests
         return [(t, min(t, mx)) for t in self.tiers.tiers]
 
+    def _round_mode(self) -> str:
+        """The mode a round runs in: the engine's, or static when it verifies every block."""
+        return "static" if self._verifies_all and self.spec.forced_budget is None else self.spec.mode
+
     def _compile_all(self) -> float:
         t0 = time.perf_counter()
         for t in self.prefill_buckets:
             self._compiled_prefill((t, self.prefill_seqs, self.prefill_seqs))
+        mode = self._round_mode()
         for T, S in self._spec_shapes():
             for P in self.page_widths:
                 for greedy in ((False, True) if self.spec.greedy_rounds else (False,)):
-                    self._compiled_spec(T, S, P, greedy)
+                    self._compiled_spec(T, S, P, greedy, mode)
         return time.perf_counter() - t0
 
     def _abstract(self, tree):
@@ -343,8 +354,9 @@ class SpeculativeEngine(Engine):
                 shape_struct(T, S, self.pages_per_seq, R), samp).compile()
         return self._compiled[key]
 
-    def _compiled_spec(self, T: int, S: int, P: int, greedy: bool = False):
-        key = ("spec", self.spec.mode, T, S, P, greedy)
+    def _compiled_spec(self, T: int, S: int, P: int, greedy: bool = False, mode: str | None = None):
+        mode = mode or self.spec.mode
+        key = ("spec", mode, T, S, P, greedy)
         if key not in self._compiled:
             s = jax.ShapeDtypeStruct
             i32 = np.int32
@@ -357,18 +369,18 @@ class SpeculativeEngine(Engine):
             results = SpecOutputs(s((n, S, G), i32), s((n, S), i32), s((n, S), i32), s((n, S), i32), s((n, S), i32),
                                   s((n, S, G), f32), s((n, S, G), f32), None, None, None)
             results_pack = self._result_packs.setdefault(S, HostPack.of(results, ROUND_DEVICE_FIELDS))
-            self._compiled[key] = self._spec_jit[self.spec.mode, greedy].lower(
+            self._compiled[key] = self._spec_jit[mode, greedy].lower(
                 *self.state_args, self._abstract(self.tcache), self._abstract(self.dcache), pack.spec(),
                 pack.device(inp), self._abstract(self.sts_temperatures), num_tokens=T, pack=pack,
                 out_pack=results_pack).compile()
         return self._compiled[key]
 
-    def _run_round(self, T: int, S: int, inp: SpecInputs, greedy: bool = False) -> RoundOutputs:
+    def _run_round(self, T: int, S: int, inp: SpecInputs, greedy: bool = False, mode: str | None = None) -> RoundOutputs:
         """Dispatch the compiled round of tier (T, S) on `inp` (host fields packed into one transfer,
         and the results to read packed into one on the way back); the caches are donated and
-        replaced."""
+        replaced.  mode: the round's verify mode (default: the engine's)."""
         P = inp.page_table.shape[1]
-        fn = self._compiled_spec(T, S, P, greedy)
+        fn = self._compiled_spec(T, S, P, greedy, mode)
         pack = self._spec_packs[S, P]
         results, on_device, self.tcache, self.dcache = fn(*self.state_args, self.tcache, self.dcache, pack.pack(inp),
                                                           pack.device(inp), self.sts_temperatures)
@@ -466,7 +478,8 @@ class SpeculativeEngine(Engine):
             budgets.append(K)
         predicted = sum(predictions) / len(predictions) if predictions else None  # (np.mean: 15 us a round)
         # One tier for the call's rounds: the largest any of them needs.
-        T = self.tiers.tier_for(bs, max(budgets)) if self.spec.mode == "compact" else self.tiers.round_up(bs * (G + 1))
+        mode = self._round_mode()
+        T = self.tiers.tier_for(bs, max(budgets)) if mode == "compact" else self.tiers.round_up(bs * (G + 1))
         S = min(T, self.ec.max_running_requests)
         live, table, temp, top_k, top_p, seed = self._round_inputs(reqs, S)
         fed_index = np.full(S, -1, np.int32)
@@ -489,9 +502,9 @@ class SpeculativeEngine(Engine):
         inp = SpecInputs(anchor, start, table, live, np.int32(bs), np.asarray(budgets, np.int32), temp, top_k, top_p,
                          seed, *fed, fed_index, probes)
         greedy = self.spec.greedy_rounds and not temp[:bs].any()  # the greedy round variant
-        self._compiled_spec(T, S, table.shape[1], greedy)  # compiled before the clock starts (precompile off)
+        self._compiled_spec(T, S, table.shape[1], greedy, mode)  # compiled before the clock starts (precompile off)
         t0 = time.perf_counter()
-        out = self._run_round(T, S, inp, greedy)
+        out = self._run_round(T, S, inp, greedy, mode)
         for x in jax.tree.leaves((out.results, out.estimate)):  # what _read needs; the fed arrays stay on device
             x.copy_to_host_async()
         return _Round(reqs, out, S, slots, generations, step, budgets, T, predicted, table_times, t0, prev is not None)
