@@ -78,6 +78,9 @@ def main(argv=None):
     ap.add_argument("--workload", default="math")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--greedy-rounds", type=int, choices=(0, 1), default=0)
+    ap.add_argument("--rounds-per-call", type=int, default=1, help="SpeculativeConfig.rounds_per_call")
+    ap.add_argument("--step-time-correction", type=float, default=None,
+                    help="SpeculativeConfig.step_time_correction (the bench's compact+table arm uses 0.3)")
     ap.add_argument("--lazy-compile", action="store_true", help="compile only the shapes the batch uses")
     ap.add_argument("--stub-rounds", action="store_true",
                     help="after the warm-up, every round returns the warm-up's outputs of its shape at once: "
@@ -96,7 +99,8 @@ def main(argv=None):
         default_model_path(), default_drafter_path(),
         EngineConfig(max_running_requests=args.batch_size, max_model_len=args.prompt_len + args.max_new_tokens + 64,
                      precompile=not args.lazy_compile),
-        SpeculativeConfig(mode=args.mode, cost_table=table, greedy_rounds=bool(args.greedy_rounds)))
+        SpeculativeConfig(mode=args.mode, cost_table=table, greedy_rounds=bool(args.greedy_rounds),
+                          rounds_per_call=args.rounds_per_call, step_time_correction=args.step_time_correction))
     if args.corpus:
         from training.drafter.selfdistill import SelfDistillConfig, select_prompts
 

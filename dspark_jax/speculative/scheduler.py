@@ -231,8 +231,8 @@ class ConfidenceScheduler:
     def record_step_time(self, batch_size: int, budget: int, measured_seconds: float, overlapped: bool = True) -> None:
         """Fold a read round's measured time into the online level correction of its regime (if enabled)."""
         if self.corrections is not None:
-            self.corrections[bool(overlapped)].update(batch_size, self.cost_table.predict(batch_size, budget),
-                                                      measured_seconds)
+            # the table's T(R, K), from the batch size's cached price curve
+            self.corrections[bool(overlapped)].update(batch_size, self._prices(batch_size)[0][budget], measured_seconds)
 
     def budget(self, lagged_survival, fresh_mask) -> int:
         """K for a step: see ``decide_budget`` for the full record."""

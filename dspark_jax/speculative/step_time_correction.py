@@ -42,25 +42,31 @@ class StepTimeCorrection:
         self.max_ratio = float(max_ratio)
         self.residual = np.zeros(self.bs_probes.size)
         self.rounds = np.zeros(self.bs_probes.size, np.int64)
+        self._buckets: dict = {}  # batch size -> its probe (the engine asks every round)
 
     def _bucket(self, bs) -> int:
-        return int(np.argmin(np.abs(self.bs_probes - float(bs))))
+        b = self._buckets.get(bs)
+        if b is None:
+            b = self._buckets[bs] = int(np.argmin(np.abs(self.bs_probes - float(bs))))
+        return b
 
     def offset(self, bs) -> float:
         """Seconds to add to the table's prediction at this batch size: the average of its
         probe, or of the nearest probe that has seen rounds; 0 before any round."""
+        b = self._bucket(bs)
+        if self.rounds[b]:
+            return float(self.residual[b])
         seen = np.flatnonzero(self.rounds)
         if seen.size == 0:
             return 0.0
-        b = self._bucket(bs)
-        if not self.rounds[b]:
-            b = int(seen[np.argmin(np.abs(seen - b))])
-        return float(self.residual[b])
+        return float(self.residual[int(seen[np.argmin(np.abs(seen - b))])])
 
     def update(self, bs, table_seconds: float, measured_seconds: float) -> None:
-        """Fold one read round: its batch size, the table's raw prediction, the measured time."""
+        """Fold one read round: its batch size, the table's raw prediction, the measured time.
+        (Scalar arithmetic in Python: the engine calls this every round of a host-paced loop.)"""
         b = self._bucket(bs)
-        limit = self.max_ratio * (abs(float(table_seconds)) + abs(self.residual[b]))
-        r = float(np.clip(float(measured_seconds) - float(table_seconds), -limit, limit))
-        self.residual[b] = r if self.rounds[b] == 0 else (1 - self.weight) * self.residual[b] + self.weight * r
+        old = float(self.residual[b])
+        limit = self.max_ratio * (abs(float(table_seconds)) + abs(old))
+        r = min(max(float(measured_seconds) - float(table_seconds), -limit), limit)
+        self.residual[b] = r if self.rounds[b] == 0 else (1 - self.weight) * old + self.weight * r
         self.rounds[b] += 1
