@@ -8,7 +8,9 @@ size and the budget K, both host scalars), compiled ahead of time like the plain
 
 Modes: static (verify the whole block), compact (verify each request's scheduled window, packed:
 the tier, hence the executable, shrinks with the budget), cap-accept (verify the whole block,
-commit as compact would, report the uncensored ceiling).
+commit as compact would, report the uncensored ceiling).  A compact or cap-accept engine that
+can never trim (no cost table, or one flat in K: ConfidenceScheduler.can_trim) runs static
+rounds, which commit what a full window would.
 
 Overlap (EngineConfig.overlap): round t+1 is dispatched before round t is read, fed on device by
 round t's next anchors and positions (row by row: a request round t did not hold, if any, starts
@@ -126,8 +128,9 @@ class SpeculativeConfig:
     # A second round executable per tier for all-greedy batches, chosen on the host: drafting
     # takes the argmax without random draws and acceptance the exact-match rule without the
     # target distribution over the vocabulary (the sort of its top-k / top-p cut already runs only
-    # when some row asks for one: sampling._filtered_logits).  Off until measured: it doubles the round executables compiled at start-up
-    # (the default pair's tiers took ~200 s to compile on the H200 without it).
+    # when some row asks for one: sampling._filtered_logits).  Off until measured: it doubles the
+    # round executables compiled at start-up (the default pair's tiers took ~200 s to compile on
+    # the H200 without it).
     greedy_rounds: bool = False
     # Admissions without draining the overlap (_prefill_step): a prefill is dispatched behind the
     # round in flight, then the next round, which starts the requests it completes from its
@@ -286,8 +289,8 @@ class SpeculativeEngine(Engine):
         from dspark_jax.calibration.metrics import ConfidenceMetricsAccumulator
 
         # Online calibration of the confidence head, where labels are uncensored (full-block verify).
-        self.confidence_metrics = (ConfidenceMetricsAccumulator(G) if self.spec.mode != "compact" or self._verifies_all
-                                   else None)
+        uncensored = self.spec.mode != "compact" or (self._verifies_all and self.spec.forced_budget is None)
+        self.confidence_metrics = ConfidenceMetricsAccumulator(G) if uncensored else None
         self.compile_seconds = self._compile_all() if (config or EngineConfig()).precompile else 0.0
 
     def _extra_kv_bytes_per_token(self, model) -> int:

@@ -31,10 +31,10 @@ from dspark_jax.sampling import _filtered_logits
 def target_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """p per row: logits [N, V] and each row's own settings [N] -> the filtered, tempered
     distribution [N, V] fp32.  Its top-k / top-p filter, when some row asks for one, sorts the
-    vocabulary of every row, the costliest work of a sampling round (27-31% of a batch-64 round's kernel time on the H200,
-    benchmarks/results/round_profile_gpu_bs64_fbc8ba2.md), so a verify step applies it to the
-    rows it verified, front-packed, before spreading them per request: the work then shrinks
-    with the verify budget."""
+    vocabulary of every row, the costliest work of a sampling round (27-31% of a batch-64
+    round's kernel time on the H200, benchmarks/results/round_profile_gpu_bs64_fbc8ba2.md), so
+    a verify step applies it to the rows it verified, front-packed, before spreading them per
+    request: the work then shrinks with the verify budget."""
     return jax.nn.softmax(_filtered_logits(logits.astype(jnp.float32), temperature, top_k, top_p), axis=-1)
 
 
