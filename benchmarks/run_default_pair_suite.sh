@@ -37,6 +37,13 @@ STAGES=${STAGES:-sts tau sps bench kernel}
 TABLE=${TABLE:-$OUT/sps_table_gpu.table.json}
 . benchmarks/suite_env.sh
 
+# Stages that read the corpus fail at once when it is missing (carry it: the device copies only
+# what git tracks, plus the paths named in carry), not after the stages before them have run.
+if grep -qwE 'sts|tau|bench|fp32|host' <<< "$STAGES" && [ ! -f "$CORPUS/manifest.json" ]; then
+  echo "no corpus at $CORPUS (manifest.json missing): build it with python -m training.corpus.build and carry it" >&2
+  exit 2
+fi
+
 for stage in $STAGES; do
   echo "== $stage ($(left)s left)"
   case $stage in
