@@ -255,6 +255,24 @@ def test_forced_budget_verifies_exactly_that_many_drafts(pair, plain):
             assert tier == eng.tiers.tier_for(bs, k)
 
 
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_trimmed_rounds_verify_up_to_their_tiers_capacity(pair, plain, rounds):
+    """A trimmed round runs the tier of its budget, whose padding costs what verified tokens
+    would: every round of the call verifies bs + min(tier - bs, bs * gamma) tokens (the top of the
+    current survival), and greedy output is still plain greedy."""
+    target, tok, drafter = pair
+    G = drafter.config.block_size
+    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC),
+                            SpeculativeConfig(mode="compact", cost_table=TABLE, rounds_per_call=rounds))
+    prompts = _prompts(target.config.vocab_size, 6, seed=13)
+    got = eng.generate(prompts, GREEDY)
+    assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(prompts, GREEDY)]
+    log = list(eng.stats["round_log"])
+    assert any(k < bs * G for bs, k, *_ in log)  # the table made the scheduler trim
+    for bs, k, tier, verified, *_ in log:
+        assert k == min(tier - bs, bs * G) and verified == bs + k and tier == eng.tiers.tier_for(bs, k)
+
+
 def test_level_correction_learns_from_every_read_round_and_stays_lossless(pair, plain):
     """With step_time_correction the scheduler's offset is the moving average of exactly the rounds
     the engine read (replayed here from its round log), and greedy output is still plain greedy."""
@@ -339,7 +357,10 @@ def test_block_accept_estimator_brackets_the_cap_accept_ceiling(pair):
     G = drafter.config.block_size
     prompts = _prompts(target.config.vocab_size, 12, seed=8)
     params = [SamplingParams(max_new_tokens=40, temperature=0.9, seed=100 + i, ignore_eos=True) for i in range(12)]
-    cap = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC), SpeculativeConfig(mode="cap-accept", cost_table=TABLE))
+    # Both without overlap (the estimator turns it off): an overlapped engine dispatches a round
+    # for requests finishing in the one in flight, so its batches, hence budgets, differ.
+    cap = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC, overlap=False),
+                            SpeculativeConfig(mode="cap-accept", cost_table=TABLE))
     est = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC),
                             SpeculativeConfig(mode="compact", cost_table=TABLE, estimate_block_accept=True))
     assert not est.overlap  # its probes depend on the previous round's outcome

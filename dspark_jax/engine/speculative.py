@@ -482,6 +482,13 @@ class SpeculativeEngine(Engine):
         predicted = sum(predictions) / len(predictions) if predictions else None  # (np.mean: 15 us a round)
         # One tier for the call's rounds: the largest any of them needs.
         mode = self._round_mode()
+        if self._schedules:
+            # The tier's padding tokens cost what verified ones would: every round of the call
+            # verifies up to the tier's capacity, the next drafts by current survival (still a
+            # top-K, with K a function of host scalars only).  Cap-accept caps its commits there
+            # too, as compact would.
+            fill = min(self.tiers.tier_for(bs, max(budgets)) - bs, bs * G)
+            budgets = [fill] * self.rounds
         T = self.tiers.tier_for(bs, max(budgets)) if mode == "compact" else self.tiers.round_up(bs * (G + 1))
         S = min(T, self.ec.max_running_requests)
         live, table, temp, top_k, top_p, seed = self._round_inputs(reqs, S)
