@@ -74,16 +74,20 @@ def time_chain(step, n: int, *, warmup: int = 2, reps: int = 5) -> float:
     return float(np.median(ts))
 
 
-def device_kernel_events(trace_dir: str) -> list[tuple[str, float, float]]:
-    """(name, start_ns, duration_ns) of every kernel on the first GPU's stream lines."""
+def load_trace(trace_dir: str):
+    """The jax.profiler trace written under trace_dir (its first .xplane.pb), as ProfileData."""
     from jax.profiler import ProfileData
 
     paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
     if not paths:
         raise RuntimeError(f"no trace written under {trace_dir}")
-    data = ProfileData.from_file(paths[0])
+    return ProfileData.from_file(paths[0])
+
+
+def device_kernel_events(trace_dir: str) -> list[tuple[str, float, float]]:
+    """(name, start_ns, duration_ns) of every kernel on the first GPU's stream lines."""
     events = []
-    for plane in data.planes:
+    for plane in load_trace(trace_dir).planes:
         if not plane.name.startswith("/device:GPU:0"):
             continue
         for line in plane.lines:
@@ -102,13 +106,8 @@ def host_event_summary(trace_dir: str) -> list[dict]:
     jaxlib (argument handling, buffer allocation, thunk execution, kernel launches)."""
     import collections
 
-    from jax.profiler import ProfileData
-
-    paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-    if not paths:
-        raise RuntimeError(f"no trace written under {trace_dir}")
     totals = collections.defaultdict(lambda: [0, 0.0, 0.0])  # (thread, name) -> count, incl ns, self ns
-    for plane in ProfileData.from_file(paths[0]).planes:
+    for plane in load_trace(trace_dir).planes:
         if not plane.name.startswith("/host:CPU"):
             continue
         for line in plane.lines:
