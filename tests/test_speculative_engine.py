@@ -259,7 +259,7 @@ def test_forced_budget_verifies_exactly_that_many_drafts(pair, plain):
 def test_trimmed_rounds_verify_up_to_their_tiers_capacity(pair, plain, rounds):
     """A trimmed round runs the tier of its budget, whose padding costs what verified tokens
     would: every round of the call verifies bs + min(tier - bs, bs * gamma) tokens (the top of the
-    current survival), and greedy output is still plain greedy."""
+    current survival), is priced at that filled budget, and greedy output is still plain greedy."""
     target, tok, drafter = pair
     G = drafter.config.block_size
     eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC),
@@ -271,6 +271,7 @@ def test_trimmed_rounds_verify_up_to_their_tiers_capacity(pair, plain, rounds):
     assert any(k < bs * G for bs, k, *_ in log)  # the table made the scheduler trim
     for bs, k, tier, verified, *_ in log:
         assert k == min(tier - bs, bs * G) and verified == bs + k and tier == eng.tiers.tier_for(bs, k)
+    np.testing.assert_allclose(eng.stats["table_step_s"], [TABLE.predict(bs, k) for bs, k, *_ in log], rtol=1e-12)
 
 
 def test_level_correction_learns_from_every_read_round_and_stays_lossless(pair, plain):

@@ -486,9 +486,11 @@ class SpeculativeEngine(Engine):
             # The tier's padding tokens cost what verified ones would: every round of the call
             # verifies up to the tier's capacity, the next drafts by current survival (still a
             # top-K, with K a function of host scalars only).  Cap-accept caps its commits there
-            # too, as compact would.
+            # too, as compact would.  Those rounds are priced as they run, at the filled budget.
             fill = min(self.tiers.tier_for(bs, max(budgets)) - bs, bs * G)
             budgets = [fill] * self.rounds
+            seconds, table_seconds = self.scheduler_conf.price(bs, fill, overlapped=prev is not None)
+            predicted, table_times = seconds, [table_seconds] * self.rounds
         T = self.tiers.tier_for(bs, max(budgets)) if mode == "compact" else self.tiers.round_up(bs * (G + 1))
         S = min(T, self.ec.max_running_requests)
         live, table, temp, top_k, top_p, seed = self._round_inputs(reqs, S)

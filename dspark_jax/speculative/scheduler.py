@@ -149,10 +149,19 @@ class ConfidenceScheduler:
         full = num_rows * self.block_size
         if self.cost_table is None:
             return BudgetDecision(full, full, float("nan"), None, None)
-        offset = self.corrections[bool(overlapped)].offset(num_rows) if self.corrections is not None else 0.0
-        full_price = self._prices(num_rows)[3]
-        seconds = max(full_price + offset, 1e-9)
-        return BudgetDecision(full, full, float("nan"), seconds, float("nan"), False, full_price)
+        seconds, table_seconds = self.price(num_rows, full, overlapped)
+        return BudgetDecision(full, full, float("nan"), seconds, float("nan"), False, table_seconds)
+
+    def price(self, num_rows: int, budget: int, overlapped: bool = True) -> tuple[float, float]:
+        """(predicted seconds with the level correction, the table's own) of a step of num_rows
+        requests verifying ``budget`` drafts: a budget the engine settled on after the decision
+        (e.g. rounded up to fill its token tier) is priced as it will run."""
+        table_seconds = float(self._prices(num_rows)[0][budget])
+        return max(table_seconds + self._offset(num_rows, overlapped), 1e-9), table_seconds
+
+    def _offset(self, num_rows: int, overlapped: bool) -> float:
+        """The learned level c(R) of the regime (0 without the correction)."""
+        return self.corrections[bool(overlapped)].offset(num_rows) if self.corrections is not None else 0.0
 
     # -- role 1: the batch budget -------------------------------------------------------
     def decide_budget(self, lagged_survival, fresh_mask, overlapped: bool = True) -> BudgetDecision:
@@ -186,7 +195,7 @@ class ConfidenceScheduler:
         if table is None:  # verify all: no ranking needed
             return BudgetDecision(full, cands.size, float(num_rows + cands.sum(dtype=np.float64)), None, None)
 
-        offset = self.corrections[bool(overlapped)].offset(num_rows) if self.corrections is not None else 0.0
+        offset = self._offset(num_rows, overlapped)
         if self.min_predicted_gain is not None:
             _, lo, hi, full_price = self._prices(num_rows)
             if lo + offset > 0 and hi + offset < (lo + offset) * (1.0 + self.min_predicted_gain):
