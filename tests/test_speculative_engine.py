@@ -311,17 +311,22 @@ def test_level_correction_learns_from_every_read_round_and_stays_lossless(pair, 
 FLAT = AdditiveCostTable(1e-3, (1, 4), (0.0, 1e-4), (1, 8, 40), (2e-4, 2e-4, 2e-4))  # flat in K
 
 
-@pytest.mark.parametrize("mode, table", [("compact", FLAT), ("compact", None), ("cap-accept", None), ("compact", TABLE)])
-def test_engines_that_cannot_trim_run_static_rounds(pair, plain, mode, table):
+@pytest.mark.parametrize("mode, table, rounds", [("compact", FLAT, 1), ("compact", FLAT, 2), ("compact", None, 1),
+                                                 ("cap-accept", None, 1), ("compact", TABLE, 1)])
+def test_engines_that_cannot_trim_run_static_rounds(pair, plain, mode, table, rounds):
     """A compact or cap-accept engine whose scheduler can never trim (no cost table, or one flat
     in K under the default guard) verifies every block without ranking or keeping survival (the
     lag ring stays empty), through the static round executables, the only ones it compiles; with
-    a table it still prices each round (the table's full-block time plus the learned level).
+    a table it still prices each call once, before dispatching it (the table's full-block time
+    plus the level learned from the rounds read by then), for each of its rounds.
     Greedy output is plain greedy.  A table that prices K keeps the engine's own mode."""
+    from dspark_jax.speculative.step_time_correction import StepTimeCorrection
+
     target, tok, drafter = pair
     G = drafter.config.block_size
     eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC),
-                            SpeculativeConfig(mode=mode, cost_table=table, step_time_correction=0.3))
+                            SpeculativeConfig(mode=mode, cost_table=table, step_time_correction=0.3,
+                                              rounds_per_call=rounds))
     prompts = _prompts(target.config.vocab_size, 5, seed=12)
     got = eng.generate(prompts, GREEDY)
     assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(prompts, GREEDY)]
@@ -337,6 +342,25 @@ def test_engines_that_cannot_trim_run_static_rounds(pair, plain, mode, table):
         table_s = np.asarray(eng.stats["table_step_s"])
         np.testing.assert_allclose(table_s, [table.predict(bs, bs * G) for bs, *_ in log], rtol=1e-12)
         assert len(eng.stats["predicted_step_s"]) == len(log) and eng.scheduler_conf.corrections[True].rounds.sum() > 0
+        # Replay: a call dispatched with another in flight (overlapped) is priced before that
+        # one is read, so from the rounds of the calls before it; a synchronous one after.
+        replay = {regime: StepTimeCorrection(table.bs_probes, 0.3) for regime in (True, False)}
+        calls = [log[i:i + rounds] for i in range(0, len(log), rounds)]
+        expected = []
+        for c, call in enumerate(calls):
+            bs, k, *_, overlapped = call[0]
+            seen = calls[:c - 1] if overlapped else calls[:c]
+            level = {regime: StepTimeCorrection(table.bs_probes, 0.3) for regime in (True, False)}
+            for b, kk, _t, _v, sec, ov in (r for done in seen for r in done):
+                level[ov].update(b, table.predict(b, kk), sec)
+            expected += [max(table.predict(bs, k) + level[overlapped].offset(bs), 1e-9)] * len(call)
+            for b, kk, _t, _v, sec, ov in call:
+                replay[ov].update(b, table.predict(b, kk), sec)
+        np.testing.assert_allclose(eng.stats["predicted_step_s"], expected, rtol=1e-12)
+        for regime in (True, False):
+            np.testing.assert_allclose(eng.scheduler_conf.corrections[regime].residual, replay[regime].residual,
+                                       rtol=1e-12)
+        assert any(ov for *_, ov in log) and len({p for p in expected}) > 2  # both regimes, a moving level
 
 
 def test_compact_and_cap_accept_commit_identical_tokens(pair):

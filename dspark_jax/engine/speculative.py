@@ -464,15 +464,18 @@ class SpeculativeEngine(Engine):
         _, slots, generations = self._batch_slots
         step, self._step = self._step, self._step + self.rounds
         budgets, predictions, table_times = [], [], []
-        for j in range(self.rounds):
+        if self._prices_verify_all:  # every round of the call verifies all at one price: priced once
+            decision = self.scheduler_conf.verify_all(bs, overlapped=prev is not None)
+            budgets = [decision.budget] * self.rounds
+            predictions, table_times = [decision.predicted_step_seconds], [decision.table_step_seconds] * self.rounds
+        for j in range(0 if self._prices_verify_all else self.rounds):
             if self.spec.mode != "static" and self.spec.forced_budget is not None:  # profiling (profile_sps.py)
                 K = min(int(self.spec.forced_budget), bs * G)
                 if self.spec.cost_table is not None:
                     predictions.append(self.spec.cost_table.predict(bs, K))
                     table_times.append(predictions[-1])
-            elif self._schedules or self._prices_verify_all:
-                decision = (self.scheduler_conf.decide_lagged(step + j, generations, slots, overlapped=prev is not None)
-                            if self._schedules else self.scheduler_conf.verify_all(bs, overlapped=prev is not None))
+            elif self._schedules:
+                decision = self.scheduler_conf.decide_lagged(step + j, generations, slots, overlapped=prev is not None)
                 K = decision.budget
                 predictions.append(decision.predicted_step_seconds)
                 table_times.append(decision.table_step_seconds)
@@ -548,6 +551,14 @@ class SpeculativeEngine(Engine):
         # predictions compare to it.
         measured = (now - max(rnd.dispatched_at, self._last_read_at)) / self.rounds
         self._last_read_at = now
+        if rnd.predicted_s is not None:  # predicted vs measured step time, for checking the cost table
+            st, n, bs = self.stats, self.rounds, len(rnd.reqs)
+            st["predicted_step_s"].extend([rnd.predicted_s] * n)
+            st["table_step_s"].extend(rnd.table_s)
+            st["measured_step_s"].extend([measured] * n)
+            if self.spec.forced_budget is None:  # the level correction learns from every read round
+                for budget in rnd.budgets:
+                    self.scheduler_conf.record_step_time(bs, budget, measured, overlapped=rnd.overlapped)
         events = []
         for j in range(self.rounds):
             out = SpecOutputs(*(getattr(stacked, f)[j] for f in ROUND_RESULT_FIELDS), None, None, estimate)
@@ -559,12 +570,6 @@ class SpeculativeEngine(Engine):
         G, bs, budget = self.gamma, len(rnd.reqs), rnd.budgets[j]
         # (batch size, budget K, tier, tokens verified, seconds, overlapped) per round, for profiling.
         self.stats["round_log"].append((bs, budget, rnd.tier, int(out.verify_lens[:bs].sum()), measured, rnd.overlapped))
-        if rnd.predicted_s is not None:  # predicted vs measured step time, for checking the cost table
-            self.stats["predicted_step_s"].append(rnd.predicted_s)
-            self.stats["table_step_s"].append(rnd.table_s[j])
-            self.stats["measured_step_s"].append(measured)
-            if self.spec.forced_budget is None:
-                self.scheduler_conf.record_step_time(bs, budget, measured, overlapped=rnd.overlapped)
         # Rows of requests that finished in an earlier round ran past their end: keep them out of
         # the calibration data (the scheduler's lag ring drops them by slot generation).
         alive = np.array([r.status is not Status.FINISHED for r in rnd.reqs])
@@ -583,7 +588,7 @@ class SpeculativeEngine(Engine):
             if r.status is Status.FINISHED:
                 self._slot_of.pop(r.id, None)
         if rnd.predicted_s is not None:
-            self.stats["round_context"].append((sum(len(c) for c in commits), rnd.overlapped, bs, budget))
+            self.stats["round_context"].append((sum(map(len, commits)), rnd.overlapped, bs, budget))
         if self._recorder is not None:  # after the commit: a row knows whether its request ended here
             final = np.array([r.status is Status.FINISHED for r in rnd.reqs])[alive]
             self._recorder.add(out.confidence_logits[:bs][alive], out.block_accept[:bs][alive], final)
