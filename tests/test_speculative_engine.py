@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import time
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -309,6 +311,41 @@ def test_level_correction_learns_from_every_read_round_and_stays_lossless(pair, 
 
 
 FLAT = AdditiveCostTable(1e-3, (1, 4), (0.0, 1e-4), (1, 8, 40), (2e-4, 2e-4, 2e-4))  # flat in K
+
+
+def test_measured_round_times_leave_out_lazy_compiles(pair, plain):
+    """Without precompiling, a batch that shrinks while a round is in flight compiles its new
+    tier's round on the host during that round; the round's measured time (what the level
+    correction learns from and predictions are checked against) leaves the compile out.  Each
+    compile here takes at least STALL seconds (padded with a sleep), far above any round."""
+    STALL = 0.5
+    target, tok, drafter = pair
+    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**{**EC, "precompile": False}),
+                            SpeculativeConfig(mode="compact", cost_table=FLAT, step_time_correction=0.3))
+    compiles = []
+    real = eng._spec_jit["static", False].lower
+
+    def slow_lower(*a, **k):
+        lowered = real(*a, **k)
+        compile_ = lowered.compile
+
+        def slow_compile():
+            compiles.append(1)
+            time.sleep(STALL)
+            return compile_()
+
+        lowered.compile = slow_compile
+        return lowered
+
+    eng._spec_jit["static", False] = types.SimpleNamespace(lower=slow_lower)
+    prompts = _prompts(target.config.vocab_size, 4, seed=21)
+    params = [dataclasses.replace(GREEDY, max_new_tokens=n) for n in (6, 12, 18, 24)]  # the batch shrinks 4 -> 1
+    got = eng.generate(prompts, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(prompts, params)]
+    log = list(eng.stats["round_log"])
+    assert len(compiles) >= 3 and sum(ov for *_, ov in log) >= 3  # tiers compiled on first use, overlapped rounds
+    assert max(sec for *_, sec, _ in log) < STALL / 2  # no round carries a compile
+    assert len(eng.stats["measured_step_s"]) == len(log) and max(eng.stats["measured_step_s"]) < STALL / 2
 
 
 @pytest.mark.parametrize("mode, table, rounds", [("compact", FLAT, 1), ("compact", FLAT, 2), ("compact", None, 1),
