@@ -205,6 +205,7 @@ def report(args, env, rows: list[dict]) -> None:
           f"execution {args.execution}, sampling variants {'on' if args.sampling_variants else 'off'}, "
           f"greedy rounds {'on' if args.greedy_rounds else 'off'}, "
           f"overlapped admissions {'on' if args.overlap_admissions else 'off'}, "
+          f"admission batch {args.admit_batch}, "
           f"{args.rounds_per_call} DSpark round(s) per dispatch.\n",
           "| workload | batch | requests | arm | tok/s | x none | x static paired | accept | window | "
           "round ms overl / sync | step pred (table) / meas ms | same tokens |",
@@ -269,6 +270,8 @@ def main(argv=None):
     ap.add_argument("--overlap-admissions", type=int, choices=(0, 1), default=0,
                     help="1: DSpark admissions prefilled behind the round in flight with an unrolled prefill "
                          "(SpeculativeConfig.overlap_admissions)")
+    ap.add_argument("--admit-batch", type=int, default=1,
+                    help="EngineConfig.admit_batch for every arm: admit once this many slots are free")
     ap.add_argument("--rounds-per-call", type=int, default=1,
                     help="DSpark rounds per dispatch (SpeculativeConfig.rounds_per_call)")
     ap.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (0: greedy, "
@@ -309,6 +312,7 @@ def main(argv=None):
     ec = EngineConfig(max_running_requests=max(args.batch_sizes),
                       max_model_len=args.max_prompt_tokens + args.max_new_tokens + 32, dtype=args.dtype,
                       precompile=not args.lazy_compile, sampling_variants=bool(args.sampling_variants),
+                      admit_batch=args.admit_batch,
                       **(dict(unroll_decode=False, norm_backend="reference", kv_write_backend="reference")
                          if args.execution == "scanned-xla" else {}))
     engines, setup = {}, {}

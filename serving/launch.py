@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=int, help="context length (default: min(model max positions, 4096))")
     ap.add_argument("--max-prefill-tokens", type=int, default=512, help="prefill chunk token budget per step")
     ap.add_argument("--page-size", type=int, default=16, help="KV page size in tokens")
+    ap.add_argument("--admit-batch", type=int, default=1, metavar="N",
+                    help="admit waiting requests only once N slots are free (or all waiting fit), at most 8 steps "
+                         "late: each admission drains the overlapped decode loop, so fewer, larger admissions "
+                         "cost less (default 1: admit on every free slot)")
     ap.add_argument("--no-precompile", action="store_true", help="compile shape buckets on first use instead of at start-up")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
@@ -71,6 +75,8 @@ def resolve(args, ap) -> dict:
     """Fill defaults (model, drafter, algorithm); exit with a clear message on an impossible combination."""
     from dspark_jax.default_model import default_drafter_path, default_model_path, default_mtp_path
 
+    if args.admit_batch < 1:
+        ap.error(f"--admit-batch must be >= 1, got {args.admit_batch}")
     using_default = args.model_path is None
     model_path = Path(args.model_path) if args.model_path else default_model_path()
     draft = args.draft_model_path or (default_drafter_path() if using_default else None)
@@ -128,7 +134,7 @@ def build_engine(args, r: dict):
         num_pages = -(-args.max_total_tokens // args.page_size) + 1  # + the sentinel page
     ec = EngineConfig(max_running_requests=args.max_running_requests, max_model_len=args.max_model_len,
                       page_size=args.page_size, num_pages=num_pages, max_prefill_tokens=args.max_prefill_tokens,
-                      precompile=not args.no_precompile)
+                      precompile=not args.no_precompile, admit_batch=args.admit_batch)
     if r["algo"] == "NONE":
         return Engine.from_pretrained(r["model_path"], ec)
     if r["algo"] == "MTP":

@@ -541,6 +541,7 @@ def test_launch_checks_the_level_correction_flag(tmp_path, capsys):
                           (["--sps-min-gain", "-0.1"], ">= 0"),
                           (["--speculative-algorithm", "MTP", "--sps-min-gain", "0.1"], "DSpark options"),
                           (["--rounds-per-call", "0"], ">= 1"),
+                          (["--admit-batch", "0"], "--admit-batch must be >= 1"),
                           (["--speculative-algorithm", "MTP", "--rounds-per-call", "2"], "DSpark options")):
         with pytest.raises(SystemExit):
             resolve(ap.parse_args(argv), ap)

@@ -94,6 +94,11 @@ class EngineConfig:
     compile_cache_dir: str | None = None
     precompile: bool = True  # False: compile each shape bucket on first use
     overlap: bool = True  # dispatch decode step t+1 (fed on device by step t) before reading step t
+    # Admit waiting requests only when this many slots are free (or all of them fit), at most
+    # admit_max_wait steps late: each admission drains the overlapped loop, so several per drain
+    # cost less (engine/scheduler.py).  1: admit as soon as a slot frees (not yet measured otherwise).
+    admit_batch: int = 1
+    admit_max_wait: int = 8
     seed: int = 0  # draws seeds for requests that do not bring one
 
 
@@ -140,6 +145,8 @@ class Engine:
             max_running=ec.max_running_requests,
             max_prefill_tokens=ec.max_prefill_tokens,
             max_prefill_seqs=self.prefill_seqs,
+            admit_batch=ec.admit_batch,
+            admit_max_wait=ec.admit_max_wait,
         )
         self.eos_ids = frozenset(self.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids if tokenizer else ())
         self._rng = np.random.default_rng(ec.seed)
