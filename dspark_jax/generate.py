@@ -65,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "default 0.04, SpeculativeConfig.min_predicted_gain)")
     ap.add_argument("--rounds-per-call", type=int, default=None, metavar="N",
                     help="DSpark rounds per dispatched executable (default 1): the host's work per round split "
-                         "n ways, for a loop the host paces (batch 64 on the H200: 1.03-1.27x at n = 2, "
-                         "benchmarks/results/speculative_default_gpu_bs64_t1_r2_paired_5c988af.md); each round "
+                         "n ways, for a loop the host paces (on the H200 at n = 2: 1.16-1.36x at batch 1, "
+                         "1.20-1.44x at batch 8 (T=0), 1.03-1.27x at batch 64 (T=1), benchmarks/results/"
+                         "speculative_default_gpu_bs{1,8}_t0_r1_vs_r2_75b3210.md, ..._bs64_t1_r2_paired_5c988af.md); each round "
                          "executable then compiles n rounds unrolled")
     ap.add_argument("--sts-path", default=None, help="STS temperatures JSON (default: the drafter folder's "
                     "sts.json if it has one, else identity)")
