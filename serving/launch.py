@@ -50,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "default 0.04)")
     ap.add_argument("--rounds-per-call", type=int, metavar="N",
                     help="DSpark rounds per dispatched executable (default 1; on the H200 2 ran 1.16-1.36x faster at "
-                         "batch 1, 1.20-1.44x at batch 8, 1.03-1.27x at batch 64; each executable holds N rounds unrolled, so it compiles longer); tokens then "
-                         "stream N rounds at a time")
+                         "batch 1, 1.20-1.44x at batch 8, 1.03-1.27x at batch 64; each executable holds N rounds "
+                         "unrolled, so it compiles longer); tokens then stream N rounds at a time")
     ap.add_argument("--sts-path", help="STS confidence calibration JSON; default: the drafter folder's sts.json "
                     "if it has one, else identity temperatures")
     ap.add_argument("--max-running-requests", type=int, default=16, help="decode slots (continuous batching)")
