@@ -30,9 +30,11 @@ relative error over the timed passes' rounds).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -45,13 +47,24 @@ from benchmarks.step_prediction import prediction_summary
 ARMS = ("none", "static", "compact+table", "compact", "mtp")  # run order: the goals' arms first
 
 
-def parse_arm(arm: str, rounds_per_call: int = 1) -> tuple[str, int]:
-    """(base arm, DSpark rounds per dispatch) of an arm name: "static@2" is the static arm at two
-    rounds per dispatch, so one run can pair it with "static" at --rounds-per-call."""
-    base, _, rounds = arm.partition("@")
-    if base not in ARMS or (rounds and (base in ("none", "mtp") or not rounds.isdigit() or int(rounds) < 1)):
-        raise ValueError(f"unknown arm {arm!r}: one of {ARMS}, a DSpark arm optionally @ROUNDS (e.g. static@2)")
-    return base, int(rounds) if rounds else rounds_per_call
+class ArmSpec(NamedTuple):
+    base: str  # one of ARMS
+    rounds: int  # DSpark rounds per dispatch
+    admit_batch: int  # EngineConfig.admit_batch
+
+
+def parse_arm(arm: str, rounds_per_call: int = 1, admit_batch: int = 1) -> ArmSpec:
+    """An arm name, ``BASE[@ROUNDS][:aN]``: "static@2" is the static arm at two rounds per dispatch,
+    "static:a8" the static arm admitting in batches of 8 (EngineConfig.admit_batch), so one run can
+    pair variants with "static" at --rounds-per-call / --admit-batch."""
+    name, _, admit = arm.partition(":")
+    base, _, rounds = name.partition("@")
+    bad_rounds = rounds and (base in ("none", "mtp") or not rounds.isdigit() or int(rounds) < 1)
+    bad_admit = admit and not (admit[:1] == "a" and admit[1:].isdigit() and int(admit[1:]) >= 1)
+    if base not in ARMS or bad_rounds or bad_admit:
+        raise ValueError(f"unknown arm {arm!r}: one of {ARMS}, a DSpark arm optionally @ROUNDS (e.g. static@2), "
+                         f"any arm optionally :aN for an admission batch of N (e.g. static:a8)")
+    return ArmSpec(base, int(rounds) if rounds else rounds_per_call, int(admit[1:]) if admit else admit_batch)
 
 
 def build_engine(arm: str, target, ec, table, greedy_rounds: bool = False, overlap_admissions: bool = False,
@@ -61,7 +74,8 @@ def build_engine(arm: str, target, ec, table, greedy_rounds: bool = False, overl
     from dspark_jax.engine.mtp_engine import MTPEngine
     from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
 
-    arm, rounds_per_call = parse_arm(arm, rounds_per_call)
+    arm, rounds_per_call, admit_batch = parse_arm(arm, rounds_per_call, ec.admit_batch)
+    ec = dataclasses.replace(ec, admit_batch=admit_batch)
     if arm == "none":
         return Engine.from_pretrained(target, ec)
     if arm == "mtp":
@@ -210,7 +224,7 @@ def report(args, env, rows: list[dict]) -> None:
           "| workload | batch | requests | arm | tok/s | x none | x static paired | accept | window | "
           "round ms overl / sync | step pred (table) / meas ms | same tokens |",
           "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in sorted(rows, key=lambda r: (r["workload"], r["batch"], ARMS.index(parse_arm(r["arm"])[0]), r["arm"])):
+    for r in sorted(rows, key=lambda r: (r["workload"], r["batch"], ARMS.index(parse_arm(r["arm"]).base), r["arm"])):
         step = (f"{r['step_predicted_ms']:.3f} ({r['step_table_ms']:.3f}) / {r['step_measured_ms']:.3f}"
                 if "step_predicted_ms" in r else "")
         same = r.get("same_tokens_as_none", "")
@@ -293,7 +307,7 @@ def main(argv=None):
 
     arms = [a for a in args.arms.split(",") if a]
     try:
-        bases = [parse_arm(a)[0] for a in arms]
+        bases = [parse_arm(a).base for a in arms]
     except ValueError as e:
         ap.error(str(e))
     if "compact+table" in bases and args.sps_table_path is None:

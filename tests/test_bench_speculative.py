@@ -110,11 +110,23 @@ def test_report_pairs_each_arm_with_static_pass_by_pass(tmp_path):
     assert "| math | 64 | 2 | compact | " in md and "1.10 [0.80, 1.25]" in md
 
 
-def test_arm_names_carry_rounds_per_dispatch():
+def test_arm_names_carry_rounds_per_dispatch_and_admission_batch():
     from benchmarks.bench_speculative import parse_arm
 
-    assert parse_arm("static") == ("static", 1) and parse_arm("compact+table", 3) == ("compact+table", 3)
-    assert parse_arm("static@2", 1) == ("static", 2)
-    for bad in ("static@0", "none@2", "mtp@2", "static@x", "dynamic"):
+    assert parse_arm("static") == ("static", 1, 1) and parse_arm("compact+table", 3) == ("compact+table", 3, 1)
+    assert parse_arm("static@2", 1) == ("static", 2, 1)
+    assert parse_arm("static:a8", 2, 1) == ("static", 2, 8) and parse_arm("static@2:a4", 1, 16) == ("static", 2, 4)
+    assert parse_arm("none:a8") == ("none", 1, 8) and parse_arm("mtp", 1, 3) == ("mtp", 1, 3)
+    for bad in ("static@0", "none@2", "mtp@2", "static@x", "dynamic", "static:a0", "static:8", "static:ax"):
         with pytest.raises(ValueError):
             parse_arm(bad)
+
+
+def test_an_arm_admission_batch_reaches_its_engine_only():
+    from benchmarks.bench_speculative import build_engine
+    from dspark_jax.default_model import default_model_path
+    from dspark_jax.engine import EngineConfig
+
+    ec = EngineConfig(max_running_requests=8, max_model_len=128, precompile=False)
+    assert build_engine("none:a4", default_model_path(), ec, None).scheduler.admit_batch == 4
+    assert build_engine("none", default_model_path(), ec, None).scheduler.admit_batch == 1 and ec.admit_batch == 1
