@@ -355,12 +355,17 @@ class SpeculativeEngine(Engine):
         if key not in self._compiled:
             T, S, R = key
             samp = tuple(jax.ShapeDtypeStruct((R,), d) for d in (np.float32, np.int32, np.float32, np.uint32, np.int32))
-            t0 = time.perf_counter()
-            self._compiled[key] = self._prefill_jit.lower(
+            self._compiled[key] = self._compile(self._prefill_jit.lower(
                 *self.state_args, self._abstract(self.tcache), self._abstract(self.dcache),
-                shape_struct(T, S, self.pages_per_seq, R), samp).compile()
-            self._compiles_since_read.append((t0, time.perf_counter()))
+                shape_struct(T, S, self.pages_per_seq, R), samp))
         return self._compiled[key]
+
+    def _compile(self, lowered):
+        """Compile, noting when: a compile made while a round runs is left out of its time (_read)."""
+        t0 = time.perf_counter()
+        compiled = lowered.compile()
+        self._compiles_since_read.append((t0, time.perf_counter()))
+        return compiled
 
     def _compiled_spec(self, T: int, S: int, P: int, greedy: bool = False, mode: str | None = None):
         mode = mode or self.spec.mode
@@ -377,12 +382,10 @@ class SpeculativeEngine(Engine):
             results = SpecOutputs(s((n, S, G), i32), s((n, S), i32), s((n, S), i32), s((n, S), i32), s((n, S), i32),
                                   s((n, S, G), f32), s((n, S, G), f32), None, None, None)
             results_pack = self._result_packs.setdefault(S, HostPack.of(results, ROUND_DEVICE_FIELDS))
-            t0 = time.perf_counter()
-            self._compiled[key] = self._spec_jit[mode, greedy].lower(
+            self._compiled[key] = self._compile(self._spec_jit[mode, greedy].lower(
                 *self.state_args, self._abstract(self.tcache), self._abstract(self.dcache), pack.spec(),
                 pack.device(inp), self._abstract(self.sts_temperatures), num_tokens=T, pack=pack,
-                out_pack=results_pack).compile()
-            self._compiles_since_read.append((t0, time.perf_counter()))
+                out_pack=results_pack))
         return self._compiled[key]
 
     def _run_round(self, T: int, S: int, inp: SpecInputs, greedy: bool = False, mode: str | None = None) -> RoundOutputs:
@@ -475,20 +478,22 @@ class SpeculativeEngine(Engine):
             decision = self.scheduler_conf.verify_all(bs, overlapped=prev is not None)
             budgets = [decision.budget] * self.rounds
             predictions, table_times = [decision.predicted_step_seconds], [decision.table_step_seconds] * self.rounds
-        for j in range(0 if self._prices_verify_all else self.rounds):
-            if self.spec.mode != "static" and self.spec.forced_budget is not None:  # profiling (profile_sps.py)
-                K = min(int(self.spec.forced_budget), bs * G)
-                if self.spec.cost_table is not None:
-                    predictions.append(self.spec.cost_table.predict(bs, K))
-                    table_times.append(predictions[-1])
-            elif self._schedules:
-                decision = self.scheduler_conf.decide_lagged(step + j, generations, slots, overlapped=prev is not None)
-                K = decision.budget
-                predictions.append(decision.predicted_step_seconds)
-                table_times.append(decision.table_step_seconds)
-            else:  # static, or compact without a cost table: verify everything
-                K = bs * G
-            budgets.append(K)
+        else:
+            for j in range(self.rounds):
+                if self.spec.mode != "static" and self.spec.forced_budget is not None:  # profiling (profile_sps.py)
+                    K = min(int(self.spec.forced_budget), bs * G)
+                    if self.spec.cost_table is not None:
+                        predictions.append(self.spec.cost_table.predict(bs, K))
+                        table_times.append(predictions[-1])
+                elif self._schedules:
+                    decision = self.scheduler_conf.decide_lagged(step + j, generations, slots,
+                                                                 overlapped=prev is not None)
+                    K = decision.budget
+                    predictions.append(decision.predicted_step_seconds)
+                    table_times.append(decision.table_step_seconds)
+                else:  # static, or compact without a cost table: verify everything
+                    K = bs * G
+                budgets.append(K)
         predicted = sum(predictions) / len(predictions) if predictions else None  # (np.mean: 15 us a round)
         # One tier for the call's rounds: the largest any of them needs.
         mode = self._round_mode()
