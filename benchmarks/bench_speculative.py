@@ -71,8 +71,8 @@ def build_engine(arm: str, target, ec, table, greedy_rounds: bool = False, overl
                  rounds_per_call: int = 1):
     from dspark_jax.default_model import default_drafter_path, default_mtp_path
     from dspark_jax.engine import Engine
-    from dspark_jax.engine.mtp_engine import MTPEngine
-    from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
+    from dspark_jax.spec.mtp.engine import MTPEngine
+    from dspark_jax.spec.dspark.engine import SpeculativeConfig, SpeculativeEngine
 
     arm, rounds_per_call, admit_batch = parse_arm(arm, rounds_per_call, ec.admit_batch)
     ec = dataclasses.replace(ec, admit_batch=admit_batch)
@@ -301,7 +301,7 @@ def main(argv=None):
         jax.config.update("jax_default_matmul_precision", args.matmul_precision)
     from dspark_jax.default_model import default_model_path
     from dspark_jax.engine import EngineConfig
-    from dspark_jax.speculative.cost_model import load_cost_table
+    from dspark_jax.spec.dspark.cost_model import load_cost_table
     from dspark_jax.tokenizer import Tokenizer
     from training.drafter.selfdistill import SelfDistillConfig, select_prompts
 

@@ -21,7 +21,7 @@ optimized HLO (benchmarks/hlo_launches.py), and the dispatch time per launch; an
 a round's results costs once they are ready: the seven arrays the engine reads (drafts, accept
 counts, bonus, windows, ceilings, survival, confidence logits) fetched separately, against the
 same values as one int32 buffer, which is how the engine now receives them (0.13 vs 0.02 ms on
-the CPU at batch 4; engine/speculative.py RoundOutputs).
+the CPU at batch 4; spec/dspark/engine.py RoundOutputs).
 
     python benchmarks/profile_dispatch.py --batch-size 64 --out-dir $OUT
 """
@@ -49,7 +49,7 @@ def capture_round(batch_size: int):
     the caches in the captured arguments were donated: use the engine's current ones."""
     from dspark_jax.default_model import default_drafter_path, default_model_path
     from dspark_jax.engine import EngineConfig
-    from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
+    from dspark_jax.spec.dspark.engine import SpeculativeConfig, SpeculativeEngine
     from dspark_jax.sampling import SamplingParams
 
     eng = SpeculativeEngine.from_pretrained(

@@ -90,9 +90,9 @@ def main(argv=None):
 
     from dspark_jax.default_model import default_drafter_path, default_model_path
     from dspark_jax.engine import EngineConfig
-    from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
+    from dspark_jax.spec.dspark.engine import SpeculativeConfig, SpeculativeEngine
     from dspark_jax.sampling import SamplingParams
-    from dspark_jax.speculative.cost_model import load_cost_table
+    from dspark_jax.spec.dspark.cost_model import load_cost_table
 
     table = load_cost_table(args.sps_table_path) if args.sps_table_path else None
     eng = SpeculativeEngine.from_pretrained(

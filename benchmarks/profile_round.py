@@ -37,7 +37,7 @@ from benchmarks.common import device_kernel_events, environment, host_event_summ
 from benchmarks.profile_decode_step import summarize
 from benchmarks.profile_sps import steady_inputs
 from dspark_jax.engine import EngineConfig
-from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
+from dspark_jax.spec.dspark.engine import SpeculativeConfig, SpeculativeEngine
 
 # name -> (temperature, top_k, top_p, greedy round executable)
 SETTINGS = {"greedy-variant": (0.0, 0, 1.0, True), "t0": (0.0, 0, 1.0, False), "t1": (1.0, 0, 1.0, False),

@@ -38,10 +38,10 @@ from tqdm import tqdm
 from benchmarks.common import environment, result_dirs, time_fn, write_results
 from dspark_jax.engine import EngineConfig
 from dspark_jax.engine.request import Status
-from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
+from dspark_jax.spec.dspark.engine import SpeculativeConfig, SpeculativeEngine
 from dspark_jax.sampling import SamplingParams
-from dspark_jax.speculative.cost_model import fit_additive_cost
-from dspark_jax.speculative.step import SpecInputs
+from dspark_jax.spec.dspark.cost_model import fit_additive_cost
+from dspark_jax.spec.dspark.step import SpecInputs
 
 
 def steady_inputs(eng: SpeculativeEngine, bs: int, K: int, context: int, sampling=(0.0, 0, 1.0), growth: int = 0):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark_jax.speculative.step_time_correction import StepTimeCorrection
+from dspark_jax.spec.dspark.step_time_correction import StepTimeCorrection
 
 
 def replay(table_s, measured_s, batch_size, overlapped, bs_probes, weight: float, per_regime: bool) -> np.ndarray:
@@ -58,7 +58,7 @@ def main(argv=None) -> None:
     ap.add_argument("--weights", type=float, nargs="+", default=[0.1, 0.2, 0.3])
     ap.add_argument("--out", type=Path, default=None, help="write <out>.json and <out>.md")
     args = ap.parse_args(argv)
-    from dspark_jax.speculative.cost_model import load_cost_table
+    from dspark_jax.spec.dspark.cost_model import load_cost_table
 
     probes = load_cost_table(args.table).bs_probes
     rows = []

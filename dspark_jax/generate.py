@@ -153,8 +153,8 @@ def _drafter_folder(args, embedded, what: str):
 def _speculative_engine(args, model_path, ec):
     from dspark_jax.calibration.sts import StsCalibration
     from dspark_jax.default_model import default_drafter_path
-    from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
-    from dspark_jax.speculative.cost_model import load_cost_table
+    from dspark_jax.spec.dspark.engine import SpeculativeConfig, SpeculativeEngine
+    from dspark_jax.spec.dspark.cost_model import load_cost_table
 
     draft = _drafter_folder(args, default_drafter_path, "a DSpark drafter folder")
 
@@ -214,7 +214,7 @@ def dspark_only_flags(args) -> list[str]:
 
 def _mtp_engine(args, model_path, ec):
     from dspark_jax.default_model import default_mtp_path
-    from dspark_jax.engine.mtp_engine import MTPEngine
+    from dspark_jax.spec.mtp.engine import MTPEngine
 
     draft = _drafter_folder(args, default_mtp_path, "an MTP drafter folder")
     dspark_only = dspark_only_flags(args)

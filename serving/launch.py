@@ -115,10 +115,10 @@ def resolve(args, ap) -> dict:
 
 
 def _is_mtp_folder(folder) -> bool:
-    """A folder written by dspark_jax.mtp.save_mtp (config.json with model_type dspark_mtp)."""
+    """A folder written by dspark_jax.spec.mtp.model.save_mtp (config.json with model_type dspark_mtp)."""
     import json
 
-    from dspark_jax.mtp.model import MODEL_TYPE
+    from dspark_jax.spec.mtp.model import MODEL_TYPE
 
     try:
         return json.loads((Path(folder) / "config.json").read_text()).get("model_type") == MODEL_TYPE
@@ -138,13 +138,13 @@ def build_engine(args, r: dict):
     if r["algo"] == "NONE":
         return Engine.from_pretrained(r["model_path"], ec)
     if r["algo"] == "MTP":
-        from dspark_jax.engine.mtp_engine import MTPEngine
+        from dspark_jax.spec.mtp.engine import MTPEngine
 
         return MTPEngine.from_pretrained(r["model_path"], r["draft"], ec, num_steps=args.mtp_steps)
     from dspark_jax.calibration.sts import StsCalibration
-    from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
+    from dspark_jax.spec.dspark.engine import SpeculativeConfig, SpeculativeEngine
     from dspark_jax.generate import level_correction, min_gain, rounds_per_call
-    from dspark_jax.speculative.cost_model import load_cost_table
+    from dspark_jax.spec.dspark.cost_model import load_cost_table
 
     spec = SpeculativeConfig(mode=args.verify_mode, cost_table=load_cost_table(args.sps_table_path),
                              sts=StsCalibration.load(args.sts_path) if args.sts_path else None,  # else the folder's

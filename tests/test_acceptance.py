@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.speculative.acceptance import verify
+from dspark_jax.spec.common.acceptance import verify
 
 G, V = 3, 6
 

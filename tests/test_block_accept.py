@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from dspark_jax.speculative.block_accept import BlockAcceptEstimator
+from dspark_jax.spec.dspark.block_accept import BlockAcceptEstimator
 
 LN = math.log
 

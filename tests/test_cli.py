@@ -45,9 +45,9 @@ def test_speculative_flags_give_plain_greedy_tokens_and_spec_stats(hf_model_dir,
     from flax import nnx
 
     from dspark_jax.checkpoint import load_model
-    from dspark_jax.drafter.checkpoint import save_drafter
-    from dspark_jax.drafter.config import DSparkConfig
-    from dspark_jax.drafter.model import DSparkDrafter
+    from dspark_jax.spec.dspark.checkpoint import save_drafter
+    from dspark_jax.spec.dspark.config import DSparkConfig
+    from dspark_jax.spec.dspark.model import DSparkDrafter
 
     cfg, _ = load_model(hf_model_dir)
     dcfg = DSparkConfig.from_target(cfg, num_layers=1, block_size=3, mask_token_id=3, markov_rank=8, target_layer_ids=(0,))
@@ -87,7 +87,7 @@ def test_speculative_flags_give_plain_greedy_tokens_and_spec_stats(hf_model_dir,
 
 
 def test_min_gain_flag_sets_the_schedulers_guard():
-    from dspark_jax.engine.speculative import SpeculativeConfig
+    from dspark_jax.spec.dspark.engine import SpeculativeConfig
     from dspark_jax.generate import min_gain
 
     assert SpeculativeConfig(**min_gain(None)).min_predicted_gain == SpeculativeConfig().min_predicted_gain == 0.04

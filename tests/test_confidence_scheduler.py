@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dspark_jax.speculative.cost_model import AdditiveCostTable
-from dspark_jax.speculative.scheduler import SURVIVAL_EPS, ConfidenceScheduler
+from dspark_jax.spec.dspark.cost_model import AdditiveCostTable
+from dspark_jax.spec.dspark.scheduler import SURVIVAL_EPS, ConfidenceScheduler
 
 GAMMA = 7
 W = GAMMA + 1
@@ -474,6 +474,6 @@ def test_host_modules_do_not_import_jax():
     import subprocess
     import sys
 
-    code = ("import sys; import dspark_jax.speculative.scheduler, dspark_jax.speculative.tiers, "
-            "dspark_jax.speculative.cost_model; assert 'jax' not in sys.modules, 'jax imported'")
+    code = ("import sys; import dspark_jax.spec.dspark.scheduler, dspark_jax.spec.common.tiers, "
+            "dspark_jax.spec.dspark.cost_model; assert 'jax' not in sys.modules, 'jax imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -12,8 +12,8 @@ import pytest
 
 from dspark_jax.checkpoint import load_model
 from dspark_jax.engine import Engine, EngineConfig
-from dspark_jax.engine.mtp_engine import MTPEngine
-from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
+from dspark_jax.spec.mtp.engine import MTPEngine
+from dspark_jax.spec.dspark.engine import SpeculativeConfig, SpeculativeEngine
 from dspark_jax.sampling import SamplingParams
 from dspark_jax.tokenizer import Tokenizer
 from tests.test_mtp_engine import repeat_drafter, scaled_target

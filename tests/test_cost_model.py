@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 import pytest
 
-from dspark_jax.speculative.cost_model import (
+from dspark_jax.spec.dspark.cost_model import (
     AdditiveCostTable,
     CostTableError,
     fit_additive_cost,

@@ -12,7 +12,7 @@ import pytest
 from dspark_jax.default_model import default_drafter_path, default_model_path, default_mtp_path
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.sampling import SamplingParams
-from dspark_jax.speculative.cost_model import AdditiveCostTable
+from dspark_jax.spec.dspark.cost_model import AdditiveCostTable
 
 pytestmark = pytest.mark.skipif(default_drafter_path() is None or default_mtp_path() is None,
                                 reason="the embedded drafters are not in this tree")
@@ -42,11 +42,11 @@ def greedy():
 @pytest.mark.parametrize("arm", ["static", "compact", "cap-accept", "mtp"])
 def test_default_pair_equals_plain_greedy(greedy, arm):
     if arm == "mtp":
-        from dspark_jax.engine.mtp_engine import MTPEngine
+        from dspark_jax.spec.mtp.engine import MTPEngine
 
         eng = MTPEngine.from_pretrained(default_model_path(), default_mtp_path(), EC)
     else:
-        from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
+        from dspark_jax.spec.dspark.engine import SpeculativeConfig, SpeculativeEngine
 
         spec = SpeculativeConfig(mode=arm, cost_table=None if arm == "static" else TABLE)
         eng = SpeculativeEngine.from_pretrained(default_model_path(), default_drafter_path(), EC, spec)
@@ -62,8 +62,8 @@ def test_from_pretrained_calibrates_with_the_drafters_own_sts():
     import numpy as np
 
     from dspark_jax.calibration.sts import StsCalibration
-    from dspark_jax.drafter.checkpoint import drafter_sts_path
-    from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
+    from dspark_jax.spec.dspark.checkpoint import drafter_sts_path
+    from dspark_jax.spec.dspark.engine import SpeculativeConfig, SpeculativeEngine
 
     path = drafter_sts_path(default_drafter_path())
     assert path is not None

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.drafter.losses import dspark_loss, position_weights, soft_acceptance
+from dspark_jax.spec.dspark.losses import dspark_loss, position_weights, soft_acceptance
 
 
 def test_position_weights_prefix_and_decay():

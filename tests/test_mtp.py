@@ -13,13 +13,11 @@ from flax import nnx
 from dspark_jax.checkpoint import save_model
 from dspark_jax.errors import CheckpointError
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM, forward_dense
-from dspark_jax.mtp import (
+from dspark_jax.spec.mtp.draft import build_draft_batch, draft_chain, draft_keys
+from dspark_jax.spec.mtp.model import (
     MTPConfig,
     MTPDrafter,
     allocate_mtp_cache,
-    build_draft_batch,
-    draft_chain,
-    draft_keys,
     load_mtp,
     mtp_state_dict,
     save_mtp,

@@ -17,10 +17,10 @@ from flax import nnx
 
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.engine.model_runner import enable_compilation_cache
-from dspark_jax.engine.mtp_engine import MTPEngine
+from dspark_jax.spec.mtp.engine import MTPEngine
 from dspark_jax.engine.request import Status
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM, forward_dense
-from dspark_jax.mtp import MTPConfig, MTPDrafter, save_mtp
+from dspark_jax.spec.mtp.model import MTPConfig, MTPDrafter, save_mtp
 from dspark_jax.sampling import SamplingParams
 from dspark_jax.tiny_model import tiny_config
 

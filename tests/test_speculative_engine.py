@@ -12,12 +12,12 @@ import pytest
 from flax import nnx
 
 from dspark_jax.checkpoint import load_model
-from dspark_jax.drafter.config import DSparkConfig
-from dspark_jax.drafter.model import DSparkDrafter
+from dspark_jax.spec.dspark.config import DSparkConfig
+from dspark_jax.spec.dspark.model import DSparkDrafter
 from dspark_jax.engine import EngineConfig
-from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
+from dspark_jax.spec.dspark.engine import SpeculativeConfig, SpeculativeEngine
 from dspark_jax.sampling import SamplingParams
-from dspark_jax.speculative.cost_model import AdditiveCostTable
+from dspark_jax.spec.dspark.cost_model import AdditiveCostTable
 from dspark_jax.tokenizer import Tokenizer
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -279,7 +279,7 @@ def test_trimmed_rounds_verify_up_to_their_tiers_capacity(pair, plain, rounds):
 def test_level_correction_learns_from_every_read_round_and_stays_lossless(pair, plain):
     """With step_time_correction the scheduler's offset is the moving average of exactly the rounds
     the engine read (replayed here from its round log), and greedy output is still plain greedy."""
-    from dspark_jax.speculative.step_time_correction import StepTimeCorrection
+    from dspark_jax.spec.dspark.step_time_correction import StepTimeCorrection
 
     target, tok, drafter = pair
     eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC),
@@ -374,7 +374,7 @@ def test_engines_that_cannot_trim_run_static_rounds(pair, plain, mode, table, ro
     a table it still prices each call once, before dispatching it (the table's full-block time
     plus the level learned from the rounds read by then), for each of its rounds.
     Greedy output is plain greedy.  A table that prices K keeps the engine's own mode."""
-    from dspark_jax.speculative.step_time_correction import StepTimeCorrection
+    from dspark_jax.spec.dspark.step_time_correction import StepTimeCorrection
 
     target, tok, drafter = pair
     G = drafter.config.block_size
@@ -561,8 +561,8 @@ def test_gpu_execution_options_commit_the_same_tokens(pair, plain, model_dir):
     gamma sampling steps, the context extension; the MTP chain) and the fused norm and K/V-write
     kernels (interpret mode here) -- commits exactly the plain engine's greedy tokens, for the
     DSpark (with admissions behind the round in flight, its prefill unrolled) and the MTP engine."""
-    from dspark_jax.engine.mtp_engine import MTPEngine
-    from dspark_jax.mtp.model import MTPConfig, MTPDrafter
+    from dspark_jax.spec.mtp.engine import MTPEngine
+    from dspark_jax.spec.mtp.model import MTPConfig, MTPDrafter
 
     target, tok, drafter = pair
     gpu_like = EngineConfig(**EC, unroll_decode=True, norm_backend="pallas", kv_write_backend="pallas")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dspark_jax.speculative.step_time_correction import StepTimeCorrection
+from dspark_jax.spec.dspark.step_time_correction import StepTimeCorrection
 
 
 def test_moving_average_per_batch_size_probe():

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from dspark_jax.speculative.tiers import TokenTiers
+from dspark_jax.spec.common.tiers import TokenTiers
 
 LADDER = [1, 2, 4, 8, 16, 32, 64]
 

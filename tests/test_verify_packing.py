@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from dspark_jax.forward_batch import build_forward_batch
-from dspark_jax.speculative.packing import front_pack, packed_rows, topk_verify_lens, unpack_rows
-from dspark_jax.speculative.scheduler import ConfidenceScheduler
+from dspark_jax.spec.common.packing import front_pack, packed_rows, topk_verify_lens, unpack_rows
+from dspark_jax.spec.dspark.scheduler import ConfidenceScheduler
 
 G = 5
 
@@ -103,7 +103,7 @@ def test_target_probs_on_packed_rows_equal_the_per_request_rows(seed):
     top-k, top-p) and spreads the probabilities per request; on every verified row that must be
     exactly the filtered distribution of the per-request logits (the plain-jnp sampling filter)."""
     from dspark_jax.sampling import _filtered_logits
-    from dspark_jax.speculative.acceptance import target_probs
+    from dspark_jax.spec.common.acceptance import target_probs
 
     rng = np.random.default_rng(seed)
     S, W, V, T = 6, G + 1, 11, 48

@@ -36,11 +36,11 @@ def _engine(args):
     ec = EngineConfig(max_running_requests=args.max_running, max_model_len=args.max_prompt_tokens + args.max_new_tokens,
                       precompile=not args.lazy_compile)
     if args.algorithm == "mtp":
-        from dspark_jax.engine.mtp_engine import MTPEngine
+        from dspark_jax.spec.mtp.engine import MTPEngine
 
         return MTPEngine.from_pretrained(target, args.drafter or default_mtp_path(), ec)
     from dspark_jax.calibration.sts import StsCalibration
-    from dspark_jax.engine.speculative import SpeculativeConfig, SpeculativeEngine
+    from dspark_jax.spec.dspark.engine import SpeculativeConfig, SpeculativeEngine
 
     sts = StsCalibration.load(args.sts_path) if args.sts_path else None  # explicit: this measures calibration
     spec = SpeculativeConfig(mode="static", sts=sts, record_sts_dir=args.record_sts_dir,

@@ -6,7 +6,7 @@
 #
 # Why: the head was trained on the T=1 soft label c* = 1 - L1/2 at uniformly sampled anchors, and
 # one temperature per position (STS) leaves its T=0 calibration at 2.4-4.6% held-out ECE (goal 2%).
-# The fine-tune trains it for what the scheduler consumes at T=0 (dspark_jax/drafter/losses.py,
+# The fine-tune trains it for what the scheduler consumes at T=0 (dspark_jax/spec/dspark/losses.py,
 # training/drafter/step.py round_starts): conditional greedy labels (slot k scored only behind a
 # matched prefix, so the survival product is a product of the right factors), only on the blocks
 # where T=0 rounds start on greedy responses (dense anchors, so the train split is generated at

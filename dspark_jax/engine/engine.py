@@ -271,8 +271,8 @@ class Engine:
         return events
 
     def draft_step_options(self, prefill: bool) -> dict:
-        """Keyword options of the speculative engines' jitted steps (speculative/step.py,
-        speculative/mtp_step.py), from this engine's own execution settings: the fused kernels,
+        """Keyword options of the speculative engines' jitted steps (spec/dspark/step.py,
+        spec/mtp/step.py), from this engine's own execution settings: the fused kernels,
         and on the GPU unrolled loops for the rounds.  Prefill keeps its scans, as this engine's
         prefill does (compute-bound, once per request, and an unrolled executable compiles
         ~2-4x longer)."""

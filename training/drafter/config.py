@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 
 from dspark_jax.config import Qwen3Config
-from dspark_jax.drafter.config import DSparkConfig
-from dspark_jax.drafter.losses import CONFIDENCE_LABELS
+from dspark_jax.spec.dspark.config import DSparkConfig
+from dspark_jax.spec.dspark.losses import CONFIDENCE_LABELS
 
 
 @dataclasses.dataclass(frozen=True)

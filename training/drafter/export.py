@@ -1,4 +1,4 @@
-"""Export a drafter training run to a drafter folder (format: dspark_jax/drafter/checkpoint.py)."""
+"""Export a drafter training run to a drafter folder (format: dspark_jax/spec/dspark/checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 
-from dspark_jax.drafter.checkpoint import (  # noqa: F401  (re-exported for training code and tests)
+from dspark_jax.spec.dspark.checkpoint import (  # noqa: F401  (re-exported for training code and tests)
     CONFIG_FILE,
     WEIGHTS_FILE,
     flatten_params,
@@ -14,7 +14,7 @@ from dspark_jax.drafter.checkpoint import (  # noqa: F401  (re-exported for trai
     load_drafter_params,
     save_drafter,
 )
-from dspark_jax.drafter.config import DSparkConfig
+from dspark_jax.spec.dspark.config import DSparkConfig
 
 
 def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None, best: bool = False,

@@ -58,7 +58,7 @@ def initial_params(dcfg, tc: DrafterTrainConfig) -> dict:
     (``init_from``), whose configuration must be the one this run builds."""
     if tc.init_from is None:
         return init_drafter_params(dcfg, tc.seed)
-    from dspark_jax.drafter.checkpoint import load_drafter_params
+    from dspark_jax.spec.dspark.checkpoint import load_drafter_params
 
     cfg, params = load_drafter_params(tc.init_from, dtype=jnp.float32)
     if cfg != dcfg:

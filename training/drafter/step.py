@@ -35,8 +35,8 @@ import optax
 from flax import nnx
 
 from dspark_jax.config import Qwen3Config
-from dspark_jax.drafter.config import DSparkConfig
-from dspark_jax.drafter.losses import (
+from dspark_jax.spec.dspark.config import DSparkConfig
+from dspark_jax.spec.dspark.losses import (
     CE_WEIGHT,
     CONF_WEIGHT,
     DECAY,
@@ -47,7 +47,7 @@ from dspark_jax.drafter.losses import (
     greedy_match,
     position_weights,
 )
-from dspark_jax.drafter.model import DSparkDrafter, block_visibility_mask
+from dspark_jax.spec.dspark.model import DSparkDrafter, block_visibility_mask
 from dspark_jax.models.qwen3 import forward_dense
 from training.drafter.config import TRAINABLE, DrafterTrainConfig
 from training.pretrain.parallel import replicated

@@ -5,7 +5,7 @@ mixture sampler and validation rows, tokenised with the target's tokenizer.json)
 TrainConfig field is an option as in `python -m training.pretrain` (--steps, --batch-size,
 --learning-rate, --mixture math=1,code=1,verse=1, ...); --ce-weight / --hidden-weight set the
 loss.  Re-running the same command on an existing run directory resumes it.  The drafter lands
-in RUN_DIR/mtp (config.json + model.safetensors), loadable with dspark_jax.mtp.load_mtp.
+in RUN_DIR/mtp (config.json + model.safetensors), loadable with dspark_jax.spec.mtp.model.load_mtp.
 """
 
 from __future__ import annotations

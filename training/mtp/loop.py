@@ -25,7 +25,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from dspark_jax.checkpoint import load_model
-from dspark_jax.mtp.model import MTPConfig, save_mtp
+from dspark_jax.spec.mtp.model import MTPConfig, save_mtp
 from training.pretrain.checkpoint import RunCheckpoints
 from training.pretrain.config import TrainConfig
 from training.pretrain.data import Rows

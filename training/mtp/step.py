@@ -33,7 +33,7 @@ from flax import nnx
 
 from dspark_jax.config import Qwen3Config
 from dspark_jax.models.qwen3 import forward_dense
-from dspark_jax.mtp.model import MTPConfig, MTPDrafter
+from dspark_jax.spec.mtp.model import MTPConfig, MTPDrafter
 from training.pretrain.config import TrainConfig
 from training.pretrain.parallel import replicated
 from training.pretrain.step import DTYPES, tree_norm, loss_targets, make_optimizer, params_to_model

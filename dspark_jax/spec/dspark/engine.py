@@ -1,7 +1,7 @@
 """SpeculativeEngine: the batch engine with DSpark drafting and verification.
 
 Same request lifecycle as Engine (slots, KV admission, chunked prefill, stop handling); the
-decode step is replaced by a speculative round (dspark_jax/speculative/step.py).  The target
+decode step is replaced by a speculative round (dspark_jax/spec/dspark/step.py).  The target
 and the drafter keep paged caches with the same page tables: a draft-context row lives at its
 own position.  Each round is one executable chosen by the token tier (a function of the batch
 size and the budget K, both host scalars), compiled ahead of time like the plain buckets.
@@ -32,7 +32,7 @@ SpeculativeConfig.overlap_admissions brings the flow back with an unrolled prefi
 measured).
 
 Block-accept estimator (compact mode, SpeculativeConfig.estimate_block_accept): brackets the
-censored ceiling from later rounds' target log-probs (speculative/block_accept.py).  Its probe
+censored ceiling from later rounds' target log-probs (spec/dspark/block_accept.py).  Its probe
 tokens for round t+1 depend on round t's outcome, so enabling it turns the overlap off.
 """
 
@@ -51,20 +51,20 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.calibration.sts import StsCalibration
-from dspark_jax.drafter.model import DSparkDrafter
+from dspark_jax.spec.dspark.model import DSparkDrafter
 from dspark_jax.engine.engine import Engine, EngineConfig
 from dspark_jax.engine.flat_state import flatten_states, with_flat_states
 from dspark_jax.engine.host_pack import HostPack, with_packed_inputs, with_packed_outputs
 from dspark_jax.engine.request import Status
-from dspark_jax.engine.spec_rounds import commit_rounds, new_round_stats, summarize_rounds
+from dspark_jax.spec.common.stats import commit_rounds, new_round_stats, summarize_rounds
 from dspark_jax.forward_batch import shape_struct
 from dspark_jax.kv_cache import KVCache
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
-from dspark_jax.speculative.cost_model import AdditiveCostTable
-from dspark_jax.speculative.scheduler import ConfidenceScheduler
-from dspark_jax.speculative.step import (MODES, ROUND_RESULT_FIELDS, EstimatorLogProbs, SpecInputs, SpecOutputs,
+from dspark_jax.spec.dspark.cost_model import AdditiveCostTable
+from dspark_jax.spec.dspark.scheduler import ConfidenceScheduler
+from dspark_jax.spec.dspark.step import (MODES, ROUND_RESULT_FIELDS, EstimatorLogProbs, SpecInputs, SpecOutputs,
                                          join_feed, prefill_step, spec_rounds)
-from dspark_jax.speculative.tiers import TokenTiers
+from dspark_jax.spec.common.tiers import TokenTiers
 from dspark_jax.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class SpeculativeConfig:
     # (benchmarks/results/speculative_default_gpu_bs8-64_d8852f2.md).
     min_predicted_gain: float | None = 0.04
     # Learn the cost table's level from measured rounds (moving-average weight, e.g. 0.1; None:
-    # the raw table).  See dspark_jax/speculative/step_time_correction.py.  Off by default: the
+    # the raw table).  See dspark_jax/spec/dspark/step_time_correction.py.  Off by default: the
     # windows then depend on wall-clock timing, so above temperature 0 a fixed seed no longer
     # reproduces its output run to run (the distribution stays exact; greedy output is unchanged).
     step_time_correction: float | None = None
@@ -140,7 +140,7 @@ class SpeculativeConfig:
     # for a reason not yet found (neither construct blocks the host at dispatch:
     # probe_host_sync_gpu_446209e.md).  Off until measured in this form; needs EngineConfig.overlap.
     overlap_admissions: bool = False
-    # Speculative rounds per dispatch (speculative/step.py spec_rounds): round j + 1 of a call is
+    # Speculative rounds per dispatch (spec/dspark/step.py spec_rounds): round j + 1 of a call is
     # fed by round j on the device and the host reads them together, so its work per round (the
     # executable's dispatch above all) is split n ways, for a loop the host otherwise paces.  The
     # cost: the budget of each round comes from survival n rounds staler (the lag grows to
@@ -192,7 +192,7 @@ class SpeculativeEngine(Engine):
                 raise ValueError("the block-accept estimator probes one round at a time: rounds_per_call must be 1")
             if self.spec.mode != "compact":
                 raise ValueError("the block-accept estimator is for compact mode (cap-accept measures the ceiling)")
-            from dspark_jax.speculative.block_accept import BlockAcceptEstimator
+            from dspark_jax.spec.dspark.block_accept import BlockAcceptEstimator
 
             self.estimator = BlockAcceptEstimator(G)
         self.overlap = self.ec.overlap and self.estimator is None
@@ -304,13 +304,13 @@ class SpeculativeEngine(Engine):
     def from_pretrained(cls, path, draft_path, config: EngineConfig | None = None,
                         spec: SpeculativeConfig | None = None, *, block_size: int | None = None,
                         sts_from_folder: bool = True) -> "SpeculativeEngine":
-        """Target folder (Hugging Face Qwen3) + drafter folder (dspark_jax/drafter/checkpoint.py).
+        """Target folder (Hugging Face Qwen3) + drafter folder (dspark_jax/spec/dspark/checkpoint.py).
 
         With no ``spec.sts``, the drafter folder's own sts.json calibrates the confidences (as the
         CLI and the server do), unless ``sts_from_folder`` is False or the engine records STS data
         (which needs the raw head)."""
         from dspark_jax.checkpoint import load_model
-        from dspark_jax.drafter.checkpoint import drafter_sts_path, load_drafter
+        from dspark_jax.spec.dspark.checkpoint import drafter_sts_path, load_drafter
         from dspark_jax.errors import CheckpointError
 
         ec = config or EngineConfig()

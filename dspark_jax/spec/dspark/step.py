@@ -46,12 +46,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.drafter.model import sample_block
+from dspark_jax.spec.dspark.model import sample_block
 from dspark_jax.forward_batch import ForwardBatch
 from dspark_jax.kv_cache import KVCache
 from dspark_jax.sampling import sample
-from dspark_jax.speculative.acceptance import target_probs, verify
-from dspark_jax.speculative.packing import front_pack, packed_rows, topk_verify_lens, unpack_rows
+from dspark_jax.spec.common.acceptance import target_probs, verify
+from dspark_jax.spec.common.packing import front_pack, packed_rows, topk_verify_lens, unpack_rows
 
 MODES = ("static", "compact", "cap-accept")
 
@@ -91,7 +91,7 @@ ROUND_RESULT_FIELDS = SpecOutputs._fields[:7]
 
 
 class EstimatorLogProbs(NamedTuple):
-    """What the host-side block-accept estimator needs from a round (speculative/block_accept.py),
+    """What the host-side block-accept estimator needs from a round (spec/dspark/block_accept.py),
     all under the tempered (temperature-scaled) distributions."""
     draft_logq: jax.Array  # [S, gamma] log q of each draft under the corrected draft distribution
     next_draft_logp: jax.Array  # [S] target log p of d_{w+1} at the last verified row (NaN if w == gamma)

@@ -1,7 +1,7 @@
 """MTPEngine: the batch engine with the MTP / EAGLE-style chain drafter (the baseline arm).
 
 Same request lifecycle as Engine (slots, KV admission, chunked prefill, stop handling); the
-decode step is replaced by a chain speculative round (dspark_jax/speculative/mtp_step.py):
+decode step is replaced by a chain speculative round (dspark_jax/spec/mtp/step.py):
 draft k tokens one after another, verify anchor + k with the target, commit the accepted
 prefix and the bonus.  SGLang's notation "k-1-(k+1)" (e.g. 3-1-4) is num_steps = k.
 
@@ -33,12 +33,12 @@ from dspark_jax.engine.engine import Engine, EngineConfig
 from dspark_jax.engine.flat_state import flatten_states, with_flat_states
 from dspark_jax.engine.host_pack import HostPack, with_packed_inputs, with_packed_outputs
 from dspark_jax.engine.request import Status
-from dspark_jax.engine.spec_rounds import commit_rounds, new_round_stats, summarize_rounds
+from dspark_jax.spec.common.stats import commit_rounds, new_round_stats, summarize_rounds
 from dspark_jax.forward_batch import shape_struct
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
-from dspark_jax.mtp.model import MTPDrafter, allocate_mtp_cache
-from dspark_jax.speculative.mtp_step import MTPInputs, MTPOutputs, allocate_pending, mtp_prefill_step, mtp_spec_step
-from dspark_jax.speculative.tiers import TokenTiers
+from dspark_jax.spec.mtp.model import MTPDrafter, allocate_mtp_cache
+from dspark_jax.spec.mtp.step import MTPInputs, MTPOutputs, allocate_pending, mtp_prefill_step, mtp_spec_step
+from dspark_jax.spec.common.tiers import TokenTiers
 from dspark_jax.tokenizer import Tokenizer
 
 DEFAULT_NUM_STEPS = 3  # SGLang's EAGLE 3-1-4
@@ -90,11 +90,11 @@ class MTPEngine(Engine):
     @classmethod
     def from_pretrained(cls, path: str | Path, mtp_path: str | Path, config: EngineConfig | None = None, *,
                         num_steps: int | None = None) -> "MTPEngine":
-        """Target folder (Hugging Face Qwen3) + MTP drafter folder (dspark_jax.mtp.save_mtp).
+        """Target folder (Hugging Face Qwen3) + MTP drafter folder (dspark_jax.spec.mtp.model.save_mtp).
 
         num_steps: None takes the folder's speculative.json, else DEFAULT_NUM_STEPS."""
         from dspark_jax.checkpoint import load_model
-        from dspark_jax.mtp.model import load_mtp, stored_num_steps
+        from dspark_jax.spec.mtp.model import load_mtp, stored_num_steps
 
         ec = config or EngineConfig()
         dtype = ec.dtype or ("float32" if jax.default_backend() == "cpu" else None)

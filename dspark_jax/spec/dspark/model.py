@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.drafter.config import DSparkConfig
-from dspark_jax.drafter.markov import MarkovHead, _dense
+from dspark_jax.spec.dspark.config import DSparkConfig
+from dspark_jax.spec.dspark.markov import MarkovHead, _dense
 from dspark_jax.forward_batch import ForwardBatch
 from dspark_jax.kv_cache import KVCache
 from dspark_jax.layers.attention import paged_attention

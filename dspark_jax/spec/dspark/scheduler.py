@@ -57,8 +57,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dspark_jax.speculative.cost_model import AdditiveCostTable
-from dspark_jax.speculative.step_time_correction import StepTimeCorrection
+from dspark_jax.spec.dspark.cost_model import AdditiveCostTable
+from dspark_jax.spec.dspark.step_time_correction import StepTimeCorrection
 
 SURVIVAL_EPS = 1e-6  # lagged survivals below this are not budget candidates (as SGLang)
 

@@ -30,7 +30,7 @@ import numpy as np
 from dspark_jax.forward_batch import ForwardBatch, build_forward_batch
 from dspark_jax.kv_cache import KVCache
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
-from dspark_jax.mtp.model import MTPDrafter
+from dspark_jax.spec.mtp.model import MTPDrafter
 
 _DRAFT_SALT = 0x6D7470  # "mtp": keeps draft randomness independent of the target's sampling keys
 
@@ -110,7 +110,7 @@ def draft_chain(drafter: MTPDrafter, target: Qwen3ForCausalLM, cache: KVCache, b
     num_logits = num_seqs); hidden [T, d] aligned with its rows; temperature [S] (0 = greedy);
     keys [S] per-request PRNG keys (draft_keys).  Rows of padding requests return garbage.
     unroll: the k - 1 steps as straight-line code instead of a while loop (the GPU serving path,
-    speculative/step.py)."""
+    spec/dspark/step.py)."""
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
     S = batch.page_table.shape[0]

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.drafter.config import DSparkConfig
+from dspark_jax.spec.dspark.config import DSparkConfig
 
 
 def _dense(din, dout, *, bias, dtype, rngs):

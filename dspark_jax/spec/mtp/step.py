@@ -1,7 +1,7 @@
 """The MTP (EAGLE-style chain) speculative steps as pure functions over explicit state.
 
 The drafter's row p reads the pair (h_p, x_{p+1}): the target's final-normed hidden state at p
-and the token after it (dspark_jax/mtp/draft.py).  When the target verifies a round, the pairs
+and the token after it (dspark_jax/spec/mtp/draft.py).  When the target verifies a round, the pairs
 of the rows it keeps are complete only once acceptance has picked the bonus token, and the
 drafter's output on the last of them is what proposes the next round's first draft.  So a
 round *begins* with the drafter extend over the rows the previous call committed, and those
@@ -22,7 +22,7 @@ buffer but not compute, and would split the chain across two calls.)
 mtp_spec_step, one round for a batch of requests:
   drafter extend over the carried rows + k - 1 chain steps (draft_chain)
   -> verify anchor + k drafts per request (static: k + 1 rows each, front-packed into the tier)
-  -> accept (dspark_jax/speculative/acceptance.verify: exact match at T = 0, speculative sampling
+  -> accept (dspark_jax/spec/common/acceptance.verify: exact match at T = 0, speculative sampling
      with the chain's logits as q at T > 0)
   -> carry the kept rows' hidden states and next ids for the next round.
 Only the drafts, the accept counts and the bonus go back to the host.
@@ -41,10 +41,10 @@ from flax import nnx
 
 from dspark_jax.forward_batch import ForwardBatch
 from dspark_jax.kv_cache import KVCache
-from dspark_jax.mtp.draft import draft_chain, draft_keys
+from dspark_jax.spec.mtp.draft import draft_chain, draft_keys
 from dspark_jax.sampling import sample
-from dspark_jax.speculative.acceptance import verify
-from dspark_jax.speculative.packing import front_pack, packed_rows, unpack_rows
+from dspark_jax.spec.common.acceptance import verify
+from dspark_jax.spec.common.packing import front_pack, packed_rows, unpack_rows
 
 _VERIFY_STREAM = 2  # fold_in stream of the acceptance / bonus keys (as the DSpark step's)
 
@@ -127,7 +127,7 @@ def mtp_spec_step(target_def, drafter_def, target_state, drafter_state, tcache: 
                   pending: Pending, inp: MTPInputs, *, num_tokens: int, page_size: int, backend: str,
                   target_options: tuple = (), unroll: bool = False):
     """One round -> (MTPOutputs, tcache, dcache, pending).  The caches and Pending are donated.
-    target_options / unroll: as in speculative/step.py.
+    target_options / unroll: as in spec/dspark/step.py.
 
     k (the chain length) is Pending's width - 1; num_tokens (the tier) must hold S * (k + 1)."""
     target = nnx.merge(target_def, target_state)

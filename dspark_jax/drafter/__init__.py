@@ -1,1 +1,0 @@
-"""DSpark block drafter: KV-injection backbone, sequential (Markov) heads, confidence head."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: one folder per algorithm (dspark, mtp) and what they share (common)."""

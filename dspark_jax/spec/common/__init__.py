@@ -1,0 +1,1 @@
+"""What the speculative algorithms share: acceptance rules, ragged packing, token tiers, round statistics."""
