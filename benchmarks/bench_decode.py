@@ -59,12 +59,11 @@ def report(args, env, bw, cfg_shape, wbytes, kv_tok, engine, rows):
     payload = dict(env=env, shape=args.shape, config=cfg_shape, copy_bandwidth_Bps=bw,
                    weight_bytes_read=wbytes, kv_bytes_per_token=kv_tok, prompt_len=args.prompt_len,
                    new_tokens=args.new_tokens, attention_backend=engine.backend, norm_backend=engine.norm_backend,
-                   kv_write_backend=engine.kv_write_backend, gemv_backend=engine.gemv_backend,
-                   gemv_projections=list(engine.ec.gemv_projections),
+                   kv_write_backend=engine.kv_write_backend,
                    sampling_variants=engine.ec.sampling_variants, unroll_decode=not args.scan_layers,
                    compile_seconds=engine.compile_seconds, rows=rows)
     md = [f"# Decode benchmark: {args.shape}, random bf16 weights\n",
-          f"{env['device']}, jax {env['jax']}, {env['date']}, commit {env['commit']}; attention {engine.backend}, norm {engine.norm_backend}, kv write {engine.kv_write_backend}, gemv {engine.gemv_backend} ({'+'.join(engine.ec.gemv_projections)}), "
+          f"{env['device']}, jax {env['jax']}, {env['date']}, commit {env['commit']}; attention {engine.backend}, norm {engine.norm_backend}, kv write {engine.kv_write_backend}, "
           f"sampling {'host-chosen variants' if engine.ec.sampling_variants else 'device-side cond'}, decode layers {'scanned' if args.scan_layers else 'unrolled'}; measured copy bandwidth {bw / 1e12:.2f} TB/s; prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens. Floor = (weights {wbytes / 1e9:.2f} GB + KV read) / bandwidth.\n",
           f"The last column takes the floor at the H200's reference copy bandwidth ({REFERENCE_BW / 1e12:.2f} TB/s, "

@@ -240,21 +240,16 @@ BACKEND_OPTIONS = (
     ("attention_backend", "ragged paged attention: reference | pallas | auto"),
     ("norm_backend", "residual add + RMSNorm: reference | pallas | auto"),
     ("kv_write_backend", "q / k norm + rope + K/V cache write: reference | pallas | auto"),
-    ("gemv_backend", "the decode projections: reference (XLA) | pallas (the GEMV kernel) | auto"),
 )
 
 
 def add_backend_args(ap) -> None:
-    """--attention-backend, --norm-backend, --kv-write-backend, --gemv-backend (and
-    --gemv-projections, --sampling-variants), defaulting to what the engine itself defaults to."""
+    """--attention-backend, --norm-backend, --kv-write-backend (and --sampling-variants), defaulting to what the engine itself defaults to."""
     from dspark_jax.engine import EngineConfig
 
     defaults = EngineConfig()
     for name, help_text in BACKEND_OPTIONS:
         ap.add_argument("--" + name.replace("_", "-"), default=getattr(defaults, name), help=help_text)
-    ap.add_argument("--gemv-projections", default=",".join(defaults.gemv_projections),
-                    help="the projections --gemv-backend applies to, comma-separated (of qkv,o,gate_up,down); "
-                         "the others run under XLA")
     ap.add_argument("--sampling-variants", type=int, choices=(0, 1), default=int(defaults.sampling_variants),
                     help="1: greedy and sampling decode executables chosen on the host, no device-side "
                          "conditional (EngineConfig.sampling_variants)")
@@ -263,5 +258,4 @@ def add_backend_args(ap) -> None:
 def backend_kwargs(args) -> dict:
     """The EngineConfig keyword arguments of the flags ``add_backend_args`` added."""
     return {**{name: getattr(args, name) for name, _ in BACKEND_OPTIONS},
-            "gemv_projections": tuple(p for p in args.gemv_projections.split(",") if p),
             "sampling_variants": bool(args.sampling_variants)}

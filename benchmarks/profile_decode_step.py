@@ -108,14 +108,13 @@ def main(argv=None):
     floor_us = weight_bytes_read(cfg) / bw * 1e6
     payload = {"env": env, "shape": args.shape, "batch": bs, "context": ctx, "backend": engine.backend,
                "norm_backend": engine.norm_backend, "kv_write_backend": engine.kv_write_backend,
-               "gemv_backend": engine.gemv_backend,
                "copy_bandwidth_Bps": bw, "weights_floor_us": floor_us, **summary}
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     name = f"decode_profile_{args.shape}_bs{bs}_{engine.backend}{args.tag}"
     (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
     md = [f"# Decode step profile: {args.shape}, batch {bs}, context {ctx}, attention {engine.backend}, "
-          f"norm {engine.norm_backend}, kv write {engine.kv_write_backend}, gemv {engine.gemv_backend}\n",
+          f"norm {engine.norm_backend}, kv write {engine.kv_write_backend}\n",
           f"{env['device']}, jax {env['jax']}, {env['date']}, commit {env['commit']}; copy bandwidth "
           f"{bw / 1e12:.2f} TB/s, weight floor {floor_us:.0f} us.\n"]
     if "error" in summary:

@@ -13,8 +13,6 @@
 #   bench    the full kernel benchmark (bench_ragged_paged_attention.py --bench --defaults)
 #   norm     the fused residual-add + RMSNorm kernel against XLA (benchmarks/bench_fused_add_rms_norm.py)
 #   kvwrite  the K/V write from the qkv projection against XLA, GPU check first (benchmarks/bench_kv_write.py)
-#   gemv     the small-batch projection kernel against XLA at the 8B layer's four projections, GPU
-#            check first, with a tile sweep (benchmarks/bench_gemv.py --tune)
 #   decode_arm  the decode benchmark at DECODE_BATCHES with ARM_ARGS, tagged ARM_TAG (default: the
 #            XLA paths, --norm-backend reference --kv-write-backend reference, tag _xla), beside
 #            the decode stage's defaults (the fused Pallas kernels on the GPU)
@@ -81,11 +79,6 @@ for stage in $STAGES; do
       timeout 150 "$PYTHON" benchmarks/bench_fused_add_rms_norm.py --tune --out-dir "$OUT" > "$OUT/norm.log" 2>&1 \
           || echo "fused norm bench failed"
       tail -n 20 "$OUT/norm.log"
-      ;;
-    gemv)
-      timeout 240 "$PYTHON" benchmarks/bench_gemv.py --tune --out-dir "$OUT" > "$OUT/gemv.log" 2>&1 \
-          || echo "gemv bench failed (a check failure exits 2)"
-      tail -n 16 "$OUT/gemv.log"
       ;;
     kvwrite)
       timeout 150 "$PYTHON" benchmarks/bench_kv_write.py --out-dir "$OUT" > "$OUT/kv_write.log" 2>&1 \

@@ -194,7 +194,7 @@ def test_unrolled_decode_and_lazy_compile_give_identical_tokens(hf_model_dir, ti
 def test_fused_norm_and_kv_write_backends_give_identical_tokens(hf_model_dir, tiny_engine):
     eng = Engine.from_pretrained(hf_model_dir, EngineConfig(max_running_requests=4, max_prefill_tokens=64,
                                                             max_model_len=256, precompile=False, norm_backend="pallas",
-                                                            kv_write_backend="pallas", gemv_backend="pallas"))
+                                                            kv_write_backend="pallas"))
     assert eng.config.hidden_size & (eng.config.hidden_size - 1) == 0  # a width the fused kernel takes
     assert eng.config.head_dim & (eng.config.head_dim - 1) == 0  # and the kv write kernel
     assert (eng.norm_backend, eng.kv_write_backend) == ("pallas", "pallas")
@@ -204,11 +204,9 @@ def test_fused_norm_and_kv_write_backends_give_identical_tokens(hf_model_dir, ti
     prompts = _prompts(tiny_engine, 3, seed=32)
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     assert [r.token_ids for r in eng.generate(prompts, params)] == [r.token_ids for r in tiny_engine.generate(prompts, params)]
-    for bad in (dict(norm_backend="triton"), dict(kv_write_backend="cuda"), dict(gemv_backend="cublas")):
+    for bad in (dict(norm_backend="triton"), dict(kv_write_backend="cuda")):
         with pytest.raises(ValueError, match="backend"):
             Engine.from_pretrained(hf_model_dir, EngineConfig(max_model_len=64, precompile=False, **bad))
-    with pytest.raises(ValueError, match="gemv_projections"):
-        Engine.from_pretrained(hf_model_dir, EngineConfig(max_model_len=64, precompile=False, gemv_projections=("ffn",)))
 
 
 def test_overlapped_decode_equals_synchronous_decode(hf_model_dir, tiny_engine):
@@ -268,8 +266,7 @@ def test_abort_forgets_running_and_waiting_requests(hf_model_dir):
 
 
 def test_benchmark_backend_flags_build_the_engine_config():
-    """The benchmarks' --*-backend / --gemv-projections flags map onto EngineConfig fields (the
-    defaults are the engine's own, a projection list becomes a tuple)."""
+    """The benchmarks' --*-backend flags map onto EngineConfig fields (the defaults are the engine's own)."""
     import argparse
 
     from benchmarks.common import add_backend_args, backend_kwargs
@@ -279,8 +276,7 @@ def test_benchmark_backend_flags_build_the_engine_config():
     kw = backend_kwargs(ap.parse_args([]))
     defaults = EngineConfig()
     assert kw == {k: getattr(defaults, k) for k in kw}
-    kw = backend_kwargs(ap.parse_args(["--gemv-backend", "pallas", "--gemv-projections", "qkv,gate_up",
-                                       "--sampling-variants", "1"]))
-    assert kw["gemv_backend"] == "pallas" and kw["gemv_projections"] == ("qkv", "gate_up")
+    kw = backend_kwargs(ap.parse_args(["--norm-backend", "pallas", "--sampling-variants", "1"]))
+    assert kw["norm_backend"] == "pallas"
     assert kw["sampling_variants"] is True
     EngineConfig(**kw)  # every key is a field

@@ -28,12 +28,11 @@ from dspark_jax.errors import InvalidRequestError
 from dspark_jax.forward_batch import build_forward_batch
 from dspark_jax.kv_cache import allocate_kv_cache, kv_bytes_per_token
 from dspark_jax.layers.attention import resolve_backend
-from dspark_jax.models.qwen3 import GEMV_PROJECTIONS, GemvBackends, Qwen3ForCausalLM
+from dspark_jax.models.qwen3 import Qwen3ForCausalLM
 from dspark_jax.page_pool import PagePool
 from dspark_jax.sampling import SamplingParams, sampling_arrays
 from dspark_jax.tokenizer import Tokenizer
 from pallas_kernels.fused_add_rms_norm import resolve_backend as resolve_norm_backend
-from pallas_kernels.gemv import resolve_backend as resolve_gemv_backend
 from pallas_kernels.kv_write import resolve_backend as resolve_kv_write_backend
 
 log = logging.getLogger(__name__)
@@ -57,15 +56,6 @@ class EngineConfig:
     # 64 (benchmarks/results/decode_qwen3-8b_gpu_*_{69bf0e8,53d9908}.md); hence auto.
     norm_backend: str = "auto"
     kv_write_backend: str = "auto"
-    # the projections of small (decode) batches: reference (XLA's GEMMs) | pallas (the GEMV kernel,
-    # pallas_kernels/gemv: no split-K reduction; alone on the H200 it matches or beats XLA on each
-    # 8B projection, 7.5 us a layer at batch 1, yet the 8B decode step with it took 4.75 ms against
-    # 4.61 with XLA's GEMMs in the same run, benchmarks/results/decode_qwen3-8b_gpu_bs1-16_*bb12896.md,
-    # hence off) | auto (pallas on GPU)
-    gemv_backend: str = "reference"
-    # which projections gemv_backend applies to (models/qwen3.py GEMV_PROJECTIONS); the others run
-    # under XLA.  Default all four; e.g. ("qkv", "gate_up") keeps o and down on XLA's GEMMs
-    gemv_projections: tuple[str, ...] = GEMV_PROJECTIONS
     # unroll every loop of the decode and speculative steps (layers, drafting steps); default: on
     # GPU only, where an XLA while loop is driven from the host iteration by iteration.  Batch-1
     # speculative rounds on the H200: 4-23% more tok/s, but ~4x the compile time at start-up
@@ -123,19 +113,13 @@ class Engine:
         # what the norm / K/V-write settings resolve to here (auto: pallas on GPU), for reports
         self.norm_backend = resolve_norm_backend(ec.norm_backend, self.config.hidden_size)
         self.kv_write_backend = resolve_kv_write_backend(ec.kv_write_backend, self.config.head_dim)
-        # (the GEMV choice is per shape; reported: a decode row of the output projection)
-        cfg = self.config
-        self.gemv_backend = resolve_gemv_backend(ec.gemv_backend, 1, cfg.num_attention_heads * cfg.head_dim,
-                                                 cfg.hidden_size)
-        GemvBackends.of(ec.gemv_backend, tuple(ec.gemv_projections))  # unknown projection names fail here
         enable_compilation_cache(ec.compile_cache_dir)
         unroll = ec.unroll_decode if ec.unroll_decode is not None else jax.default_backend() == "gpu"
         self.unroll_decode = bool(unroll)
         self.runner = ModelRunner(
             model, cache, backend=self.backend,
             unroll_decode=unroll, lazy=not ec.precompile, norm_backend=self.norm_backend,
-            kv_write_backend=self.kv_write_backend, gemv_backend=ec.gemv_backend,
-            gemv_projections=tuple(ec.gemv_projections), sampling_variants=ec.sampling_variants,
+            kv_write_backend=self.kv_write_backend, sampling_variants=ec.sampling_variants,
         )
         self.prefill_seqs = min(ec.max_prefill_seqs, ec.max_running_requests)
         self.decode_buckets = batch_ladder(ec.max_running_requests)
@@ -279,8 +263,7 @@ class Engine:
         unroll = self.unroll_decode and not prefill
         return dict(backend=self.backend, unroll=unroll,
                     target_options=(("scan_layers", not unroll), ("norm_backend", self.norm_backend),
-                                    ("kv_write_backend", self.kv_write_backend), ("gemv_backend", self.ec.gemv_backend),
-                                    ("gemv_projections", tuple(self.ec.gemv_projections))))
+                                    ("kv_write_backend", self.kv_write_backend)))
 
     def _release_finished(self) -> None:
         """Give finished requests' slots and KV pages back and forget them."""

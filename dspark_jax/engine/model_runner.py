@@ -22,7 +22,7 @@ from flax import nnx
 from dspark_jax.engine.flat_state import flatten_states, with_flat_states
 from dspark_jax.forward_batch import ForwardBatch, shape_struct
 from dspark_jax.kv_cache import KVCache
-from dspark_jax.models.qwen3 import GEMV_PROJECTIONS, Qwen3ForCausalLM
+from dspark_jax.models.qwen3 import Qwen3ForCausalLM
 from dspark_jax.sampling import SAMPLING_VARIANTS, sample
 
 log = logging.getLogger(__name__)
@@ -69,8 +69,7 @@ def _sampling_struct(rows: int):
 class ModelRunner:
     def __init__(self, model: Qwen3ForCausalLM, cache: KVCache, *, backend: str,
                  unroll_decode: bool = False, lazy: bool = False, norm_backend: str = "reference",
-                 kv_write_backend: str = "reference", gemv_backend: str = "reference",
-                 gemv_projections: tuple[str, ...] = GEMV_PROJECTIONS, sampling_variants: bool = False):
+                 kv_write_backend: str = "reference", sampling_variants: bool = False):
         """unroll_decode: compile decode buckets (tokens == seqs) with the layer loop unrolled.
 
         Under ``lax.scan`` XLA:GPU materialises each layer's weight slice before its GEMM (a
@@ -79,9 +78,7 @@ class ModelRunner:
         Prefill and verify buckets, which are compute-bound, keep the compact scan.
         lazy: compile a bucket on first use instead of failing (benchmarks, quick scripts).
         norm_backend: how residual add + RMSNorm run (models/qwen3.py ``add_rms_norm``);
-        kv_write_backend: how k is normed and rotated and K/V written (``Qwen3Attention``);
-        gemv_backend: how the projections named in gemv_projections run (models/qwen3.py
-        ``project``).
+        kv_write_backend: how k is normed and rotated and K/V written (``Qwen3Attention``).
         sampling_variants: compile decode buckets twice, for all-greedy batches and for batches
         that sample (sampling.sample's "greedy" / "stochastic"), instead of once with a device-side
         ``lax.cond`` ("any"), which on the GPU blocks the host inside every step."""
@@ -101,8 +98,7 @@ class ModelRunner:
             def step(state, cache, batch: ForwardBatch, sampling):
                 model = nnx.merge(graphdef, state)
                 out = model(cache, batch, backend=backend, scan_layers=scan_layers, norm_backend=norm_backend,
-                            kv_write_backend=kv_write_backend, gemv_backend=gemv_backend,
-                            gemv_projections=gemv_projections)
+                            kv_write_backend=kv_write_backend)
                 return sample(out.logits, *sampling, variant=variant), out.cache
 
             # Positional donation: the cache buffers are reused in place, never copied.

@@ -26,70 +26,27 @@ from dspark_jax.layers.rotary import apply_rope, rope_cos_sin
 from pallas_kernels.backend import BACKENDS
 from pallas_kernels.fused_add_rms_norm import fused_add_rms_norm_op
 from pallas_kernels.fused_add_rms_norm import resolve_backend as resolve_norm_backend
-from pallas_kernels.gemv import gemv_op, swiglu
-from pallas_kernels.gemv import resolve_backend as resolve_gemv_backend
 from pallas_kernels.kv_write import resolve_backend as resolve_kv_write_backend
 from pallas_kernels.kv_write import write_kv_from_qkv_op
 
-NORM_BACKENDS = KV_WRITE_BACKENDS = GEMV_BACKENDS = BACKENDS
-
-
-class GemvBackends(NamedTuple):
-    """How each of a layer's four projections runs (``project``): "pallas" | "reference" | "auto".
-    Per projection so that a decode step can take the GEMV kernel where it wins and XLA's GEMM
-    where it does not (the kernel alone beat XLA at qkv and gate/up on the H200, yet the 8B step
-    with it on all four was slower: benchmarks/results/decode_qwen3-8b_gpu_bs1-16_*bb12896.md)."""
-
-    qkv: str = "reference"
-    o: str = "reference"
-    gate_up: str = "reference"
-    down: str = "reference"
-
-    @classmethod
-    def of(cls, backend: str, projections=None) -> "GemvBackends":
-        """``backend`` for the named projections (default all), XLA ("reference") for the others."""
-        projections = cls._fields if projections is None else projections
-        unknown = set(projections) - set(cls._fields)
-        if unknown:
-            raise ValueError(f"gemv_projections must name projections of {cls._fields}, got {sorted(unknown)}")
-        return cls(*(backend if name in projections else "reference" for name in cls._fields))
-
-
-GEMV_PROJECTIONS = GemvBackends._fields  # a layer's projections, as gemv_projections names them
+NORM_BACKENDS = KV_WRITE_BACKENDS = BACKENDS
 
 
 class LayerStacks(NamedTuple):
     """All layers' weights of one kind as the [L, ...] stacks the model holds, for the Pallas
-    kernels to read layer ``layer``'s slice in place: XLA copies a layer slice handed to a custom
-    call into a buffer of its own first (72 norm-weight copies per 8B decode step before the
-    norm kernel took the stack; for a projection it would copy 34-200 MB).  None where that op
-    runs in XLA."""
+    kernels to read layer ``layer``'s slice in place (XLA copies a layer slice handed to a custom
+    call into a buffer of its own first).  None where that op runs in XLA."""
 
     input_norm: jax.Array | None = None
     post_norm: jax.Array | None = None
     q_norm: jax.Array | None = None
     k_norm: jax.Array | None = None
-    qkv: jax.Array | None = None
-    o: jax.Array | None = None
-    gate_up: jax.Array | None = None
-    down: jax.Array | None = None
 
 
-def runs_gemv_kernel(linear: nnx.Linear, rows: int, backend: str) -> bool:
-    """Whether ``project`` runs this projection of ``rows`` packed rows as the GEMV kernel."""
-    K, N = linear.kernel.shape[-2:]
-    return linear.bias is None and resolve_gemv_backend(backend, rows, K, N) == "pallas"
-
-
-def project(linear: nnx.Linear, x: jax.Array, backend: str, stack: jax.Array | None = None, layer=None) -> jax.Array:
-    """``linear(x)`` for packed rows x [T, din]: "pallas" runs the small-batch GEMV kernel
-    (pallas_kernels/gemv; one launch, no split-K reduction), reading ``stack[layer]`` in place when
-    given; shapes it cannot take, a biased layer, and "reference" use the Linear under XLA."""
-    if x.ndim == 2 and runs_gemv_kernel(linear, x.shape[0], backend):
-        if stack is None:
-            return gemv_op(x, linear.kernel[...], backend="pallas")
-        return gemv_op(x, stack, layer=layer, backend="pallas")
-    return linear(x)
+def swiglu(x: jax.Array) -> jax.Array:
+    """[M, 2K] fused gate/up rows -> silu(gate) * up [M, K]."""
+    gate, up = jnp.split(x, 2, axis=-1)
+    return jax.nn.silu(gate) * up
 
 
 def add_rms_norm(
@@ -156,15 +113,13 @@ class Qwen3Attention(nnx.Module):
         return qk[..., :H, :], qk[..., H:, :], qkv[..., (H + Hk) * D :].reshape(*lead, Hk, D)
 
     def __call__(self, x, cos, sin, cache: KVCache, batch: ForwardBatch, layer, *, backend: str,
-                 kv_write_backend: str = "reference", gemv: GemvBackends = GemvBackends(),
-                 stacks: LayerStacks = LayerStacks()):
+                 kv_write_backend: str = "reference", stacks: LayerStacks = LayerStacks()):
         """kv_write_backend "pallas": one kernel norms and rotates q and k and writes k and v into
-        the cache straight from the qkv projection (pallas_kernels/kv_write); gemv: how the qkv
-        and output projections run (``project``); "reference": XLA.  The kernels read this
+        the cache straight from the qkv projection (pallas_kernels/kv_write); "reference": XLA.  The kernels read this
         layer's weights from ``stacks`` where it holds them."""
         T = x.shape[0]
         H, D = self.num_heads, self.head_dim
-        qkv = project(self.qkv_proj, x, gemv.qkv, stacks.qkv, layer)
+        qkv = self.qkv_proj(x)
         if resolve_kv_write_backend(kv_write_backend, D) == "reference":
             q, k, v = self._qkv(x, cos, sin, qkv)
             out, kc, vc = paged_attention(q, k, v, cache.k, cache.v, batch, layer, sm_scale=D**-0.5, backend=backend)
@@ -177,7 +132,7 @@ class Qwen3Attention(nnx.Module):
                                              num_q_heads=H, eps=self.k_norm.eps, layer=layer, q_norm_weight=qw,
                                              backend="pallas")
             out = attend_paged(q, kc, vc, batch, layer, sm_scale=D**-0.5, backend=backend)
-        return project(self.o_proj, out.reshape(T, -1), gemv.o, stacks.o, layer), KVCache(kc, vc)
+        return self.o_proj(out.reshape(T, -1)), KVCache(kc, vc)
 
     def dense(self, x, cos, sin, mask):
         """Training path: x [B, L, d] without a cache; mask [B, L, L] (True = may attend);
@@ -194,12 +149,8 @@ class Qwen3MLP(nnx.Module):
         self.gate_up_proj = _linear(d, 2 * f, bias=False, dtype=dtype, rngs=rngs)
         self.down_proj = _linear(f, d, bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, gemv: GemvBackends = GemvBackends(), stacks: LayerStacks = LayerStacks(), layer=None):
-        """gemv: how the two projections run (``project``).  The SwiGLU product stays an XLA op:
-        the kernel's fused SwiGLU prologue ran the down projection at 13-15% of the copy
-        bandwidth on the H200 (benchmarks/results/gemv_h200_b9ffde6.md)."""
-        gate_up = project(self.gate_up_proj, x, gemv.gate_up, stacks.gate_up, layer)
-        return project(self.down_proj, swiglu(gate_up), gemv.down, stacks.down, layer)
+    def __call__(self, x):
+        return self.down_proj(swiglu(self.gate_up_proj(x)))
 
 
 class Qwen3DecoderLayer(nnx.Module):
@@ -211,7 +162,7 @@ class Qwen3DecoderLayer(nnx.Module):
 
     def __call__(
         self, x, delta, cos, sin, cache, batch, layer, *, backend: str, norm_backend: str = "reference",
-        kv_write_backend: str = "reference", gemv: GemvBackends = GemvBackends(), stacks: LayerStacks = LayerStacks(),
+        kv_write_backend: str = "reference", stacks: LayerStacks = LayerStacks(),
     ):
         """x: the residual stream before the previous layer's MLP output ``delta`` is added (zeros
         for the first layer).  Returns (x, this layer's MLP output, cache): each residual add is
@@ -219,9 +170,9 @@ class Qwen3DecoderLayer(nnx.Module):
         stacks: the all-layer weight stacks the Pallas kernels index with ``layer``."""
         h, x = add_rms_norm(self.input_layernorm, delta, x, norm_backend, (stacks.input_norm, layer))
         attn, cache = self.self_attn(h, cos, sin, cache, batch, layer, backend=backend,
-                                     kv_write_backend=kv_write_backend, gemv=gemv, stacks=stacks)
+                                     kv_write_backend=kv_write_backend, stacks=stacks)
         h, x = add_rms_norm(self.post_attention_layernorm, attn, x, norm_backend, (stacks.post_norm, layer))
-        return x, self.mlp(h, gemv, stacks, layer), cache
+        return x, self.mlp(h), cache
 
     def dense(self, x, cos, sin, mask):
         x = x + self.self_attn.dense(self.input_layernorm(x), cos, sin, mask)
@@ -261,7 +212,7 @@ class Qwen3ForCausalLM(nnx.Module):
             else _linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
         )
 
-    def _kernel_stacks(self, T: int, norm_backend: str, kv_write_backend: str, gemv: GemvBackends) -> LayerStacks:
+    def _kernel_stacks(self, norm_backend: str, kv_write_backend: str) -> LayerStacks:
         """The weight stacks of the ops that run as Pallas kernels for T packed rows."""
         cfg, lay = self.config, self.layers
         out = {}
@@ -269,10 +220,6 @@ class Qwen3ForCausalLM(nnx.Module):
             out.update(input_norm=lay.input_layernorm.weight[...], post_norm=lay.post_attention_layernorm.weight[...])
         if resolve_kv_write_backend(kv_write_backend, cfg.head_dim) == "pallas":
             out.update(q_norm=lay.self_attn.q_norm.weight[...], k_norm=lay.self_attn.k_norm.weight[...])
-        for name, linear in (("qkv", lay.self_attn.qkv_proj), ("o", lay.self_attn.o_proj),
-                             ("gate_up", lay.mlp.gate_up_proj), ("down", lay.mlp.down_proj)):
-            if runs_gemv_kernel(linear, T, getattr(gemv, name)):
-                out[name] = linear.kernel[...]
         return LayerStacks(**out)
 
     def logits(self, h: jax.Array) -> jax.Array:
@@ -292,17 +239,12 @@ class Qwen3ForCausalLM(nnx.Module):
         scan_layers: bool = True,
         norm_backend: str = "reference",
         kv_write_backend: str = "reference",
-        gemv_backend: str = "reference",
-        gemv_projections: tuple[str, ...] = GEMV_PROJECTIONS,
     ) -> ForwardOutput:
         """scan_layers=False unrolls the layer loop (static weight slices): a larger program that
         XLA may schedule better for latency-bound decode; the result is identical.
         norm_backend: how each residual add + RMSNorm runs (``add_rms_norm``); kv_write_backend:
-        how q and k are normed and rotated and k / v written into the cache (``Qwen3Attention``);
-        gemv_backend: how the projections named in ``gemv_projections`` (of ``GEMV_PROJECTIONS``)
-        run (``project``); the others run under XLA."""
-        for name, value in (("norm_backend", norm_backend), ("kv_write_backend", kv_write_backend),
-                            ("gemv_backend", gemv_backend)):
+        how q and k are normed and rotated and k / v written into the cache (``Qwen3Attention``)."""
+        for name, value in (("norm_backend", norm_backend), ("kv_write_backend", kv_write_backend)):
             if value not in BACKENDS:
                 raise ValueError(f"{name} must be one of {BACKENDS}, got {value!r}")
         cfg = self.config
@@ -324,8 +266,7 @@ class Qwen3ForCausalLM(nnx.Module):
                 taps = taps.at[i].set(x)
 
         layer_def, layer_state = nnx.split(self.layers)
-        gemv = GemvBackends.of(gemv_backend, gemv_projections)
-        stacks = self._kernel_stacks(x.shape[0], norm_backend, kv_write_backend, gemv)
+        stacks = self._kernel_stacks(norm_backend, kv_write_backend)
 
         def body(carry, xs):
             h, delta, kc, vc, taps = carry
@@ -333,7 +274,7 @@ class Qwen3ForCausalLM(nnx.Module):
             h, delta, cache_l = nnx.merge(layer_def, state)(h, delta, cos, sin, KVCache(kc, vc), batch, layer,
                                                             backend=backend, norm_backend=norm_backend,
                                                             kv_write_backend=kv_write_backend,
-                                                            gemv=gemv, stacks=stacks)
+                                                            stacks=stacks)
             if len(tap_layers):
                 slot = tap_slot[layer]
                 s = jnp.maximum(slot, 0)

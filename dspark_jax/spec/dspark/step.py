@@ -15,7 +15,7 @@ the host.
 
 Both steps take the target's execution options as ``target_options`` (a hashable tuple of
 (name, value) pairs for the target forward: ``scan_layers``, ``norm_backend``,
-``kv_write_backend``, ``gemv_backend``) and ``unroll`` for the drafter's loops.  On the GPU the engine unrolls
+``kv_write_backend``) and ``unroll`` for the drafter's loops.  On the GPU the engine unrolls
 every loop, as the plain engine's decode step does: an XLA while loop there is driven from the
 host one iteration at a time, and a speculative round runs several (target layers, drafter
 layers, the gamma sampling steps, the context extension).  Prefill keeps its scans.
