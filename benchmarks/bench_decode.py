@@ -58,13 +58,12 @@ def report(args, env, bw, cfg_shape, wbytes, kv_tok, engine, rows):
     what it measured)."""
     payload = dict(env=env, shape=args.shape, config=cfg_shape, copy_bandwidth_Bps=bw,
                    weight_bytes_read=wbytes, kv_bytes_per_token=kv_tok, prompt_len=args.prompt_len,
-                   new_tokens=args.new_tokens, attention_backend=engine.backend, norm_backend=engine.norm_backend,
-                   kv_write_backend=engine.kv_write_backend,
-                   sampling_variants=engine.ec.sampling_variants, unroll_decode=not args.scan_layers,
+                   new_tokens=args.new_tokens, attention_backend=engine.runner.backend, norm_backend=engine.runner.norm_backend,
+                   kv_write_backend=engine.runner.kv_write_backend, unroll_decode=not args.scan_layers,
                    compile_seconds=engine.compile_seconds, rows=rows)
     md = [f"# Decode benchmark: {args.shape}, random bf16 weights\n",
-          f"{env['device']}, jax {env['jax']}, {env['date']}, commit {env['commit']}; attention {engine.backend}, norm {engine.norm_backend}, kv write {engine.kv_write_backend}, "
-          f"sampling {'host-chosen variants' if engine.ec.sampling_variants else 'device-side cond'}, decode layers {'scanned' if args.scan_layers else 'unrolled'}; measured copy bandwidth {bw / 1e12:.2f} TB/s; prompt {args.prompt_len}, "
+          f"{env['device']}, jax {env['jax']}, {env['date']}, commit {env['commit']}; attention {engine.runner.backend}, norm {engine.runner.norm_backend}, kv write {engine.runner.kv_write_backend}, "
+          f"decode layers {'scanned' if args.scan_layers else 'unrolled'}; measured copy bandwidth {bw / 1e12:.2f} TB/s; prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens. Floor = (weights {wbytes / 1e9:.2f} GB + KV read) / bandwidth.\n",
           f"The last column takes the floor at the H200's reference copy bandwidth ({REFERENCE_BW / 1e12:.2f} TB/s, "
           "../shared/reference/jax_platform.md) instead of this run's measurement; e2e / device = end-to-end "
@@ -114,7 +113,7 @@ def main(argv=None):
                if t >= args.prompt_len // 2 and t // 2 < args.prompt_len * max_bs}
     engine.compile_seconds = engine.runner.compile(sorted(needed))
     print(f"{env['device']} jax {env['jax']} copy bandwidth {bw / 1e12:.2f} TB/s; compile {engine.compile_seconds:.1f}s "
-          f"backend {engine.backend} unroll_decode {not args.scan_layers}", flush=True)
+          f"backend {engine.runner.backend} unroll_decode {not args.scan_layers}", flush=True)
     wbytes = weight_bytes_read(cfg)
     kv_tok = kv_bytes_per_token(cfg, jax.numpy.bfloat16)
     rng = np.random.default_rng(0)
@@ -133,8 +132,8 @@ def main(argv=None):
                                     pages_per_seq=engine.pages_per_seq)
         batch = jax.device_put(batch)
         samp = jax.device_put(sampling_arrays([params] * bs, [0] * bs, [ctx] * bs, B))
-        step = time_chain(lambda: engine.runner.run(batch, samp, greedy=True), 20)
-        step_sync = time_fn(lambda: engine.runner.run(batch, samp, greedy=True).block_until_ready(), warmup=3, iters=30)
+        step = time_chain(lambda: engine.worker.run(batch, samp, "greedy"), 20)
+        step_sync = time_fn(lambda: engine.worker.run(batch, samp, "greedy").block_until_ready(), warmup=3, iters=30)
         floor = (wbytes + bs * (ctx + 1) * kv_tok) / bw
         rows.append(dict(batch=bs, per_user_tok_s=per_user, aggregate_tok_s=per_user * bs,
                          e2e_wall_tok_s=engine.last_generate_stats["tokens_per_s"], step_ms=step * 1e3,

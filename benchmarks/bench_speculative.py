@@ -7,9 +7,10 @@ where -- rerun with --dtype float32 --matmul-precision highest to tell numerics 
   none            the plain engine (overlapped decode)
   mtp             the MTP chain drafter (3-1-4: 3 drafts, 4 verify tokens per request)
   static          DSpark, every request verifies its whole block (gamma + 1 rows)
+  mtp1            the MTP chain drafter at 1-1-2
   compact         DSpark, confidence-scheduled windows, no cost table (verify-all budget)
-  compact+table   DSpark compact with the profiled additive cost table (--sps-table-path), its level
-                  corrected online from measured rounds (SpeculativeConfig.step_time_correction)
+  compact+table   DSpark compact with the profiled additive cost table (--sps-table-path)
+  cap-accept      DSpark verifying every block, committing what compact + table would (the ceiling)
 
 For each (workload, batch size bs) the first waves x bs held-out prompts of the workload run
 through the engine with at most bs of them running at once (bs = 1: --single-prompts prompts one
@@ -30,7 +31,6 @@ relative error over the timed passes' rounds).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -44,51 +44,40 @@ from benchmarks.common import environment, write_results
 from benchmarks.step_prediction import markdown as prediction_markdown
 from benchmarks.step_prediction import prediction_summary
 
-ARMS = ("none", "static", "compact+table", "compact", "mtp")  # run order: the goals' arms first
+ARMS = ("none", "static", "compact+table", "compact", "cap-accept", "mtp", "mtp1")  # run order
 
 
 class ArmSpec(NamedTuple):
     base: str  # one of ARMS
     rounds: int  # DSpark rounds per dispatch
-    admit_batch: int  # EngineConfig.admit_batch
 
 
-def parse_arm(arm: str, rounds_per_call: int = 1, admit_batch: int = 1) -> ArmSpec:
-    """An arm name, ``BASE[@ROUNDS][:aN]``: "static@2" is the static arm at two rounds per dispatch,
-    "static:a8" the static arm admitting in batches of 8 (EngineConfig.admit_batch), so one run can
-    pair variants with "static" at --rounds-per-call / --admit-batch."""
-    name, _, admit = arm.partition(":")
-    base, _, rounds = name.partition("@")
-    bad_rounds = rounds and (base in ("none", "mtp") or not rounds.isdigit() or int(rounds) < 1)
-    bad_admit = admit and not (admit[:1] == "a" and admit[1:].isdigit() and int(admit[1:]) >= 1)
-    if base not in ARMS or bad_rounds or bad_admit:
-        raise ValueError(f"unknown arm {arm!r}: one of {ARMS}, a DSpark arm optionally @ROUNDS (e.g. static@2), "
-                         f"any arm optionally :aN for an admission batch of N (e.g. static:a8)")
-    return ArmSpec(base, int(rounds) if rounds else rounds_per_call, int(admit[1:]) if admit else admit_batch)
+def parse_arm(arm: str, rounds_per_call: int = 1) -> ArmSpec:
+    """An arm name, ``BASE[@ROUNDS]``: "static@2" is the static arm at two rounds per dispatch, so
+    one run can pair it with "static" at --rounds-per-call."""
+    base, _, rounds = arm.partition("@")
+    bad_rounds = rounds and (base in ("none", "mtp", "mtp1") or not rounds.isdigit() or int(rounds) < 1)
+    if base not in ARMS or bad_rounds:
+        raise ValueError(f"unknown arm {arm!r}: one of {ARMS}, a DSpark arm optionally @ROUNDS (e.g. static@2)")
+    return ArmSpec(base, int(rounds) if rounds else rounds_per_call)
 
 
-def build_engine(arm: str, target, ec, table, greedy_rounds: bool = False, overlap_admissions: bool = False,
-                 rounds_per_call: int = 1):
+def build_engine(arm: str, target, ec, table, rounds_per_call: int = 1):
+    """The engine of one arm over the embedded default pair (the target folder ``target``)."""
     from dspark_jax.default_model import default_drafter_path, default_mtp_path
     from dspark_jax.engine import Engine
-    from dspark_jax.spec.mtp.engine import MTPEngine
-    from dspark_jax.spec.dspark.engine import SpeculativeConfig, SpeculativeEngine
+    from dspark_jax.spec.config import SpeculativeConfig
 
-    arm, rounds_per_call, admit_batch = parse_arm(arm, rounds_per_call, ec.admit_batch)
-    ec = dataclasses.replace(ec, admit_batch=admit_batch)
+    arm, rounds_per_call = parse_arm(arm, rounds_per_call)
     if arm == "none":
         return Engine.from_pretrained(target, ec)
-    if arm == "mtp":
-        return MTPEngine.from_pretrained(target, default_mtp_path(), ec)
-    mode = "static" if arm == "static" else "compact"
-    with_table = arm == "compact+table"
-    # STS: the drafter folder's sts.json (from_pretrained's default).
-    # Level correction weight 0.3: replaying the 8a94278 batch-64 rounds offline, per-regime levels
-    # missed the median round by 10-13% at weight 0.1 and 7-10% at 0.3 (host-bound rounds drift).
-    spec = SpeculativeConfig(mode=mode, cost_table=table if with_table else None,
-                             step_time_correction=0.3 if with_table else None, greedy_rounds=greedy_rounds,
-                             overlap_admissions=overlap_admissions, rounds_per_call=rounds_per_call)
-    return SpeculativeEngine.from_pretrained(target, default_drafter_path(), ec, spec)
+    if arm in ("mtp", "mtp1"):
+        spec = SpeculativeConfig(algorithm="mtp", num_steps=1 if arm == "mtp1" else 3)
+        return Engine.from_pretrained(target, ec, spec, draft_path=default_mtp_path())
+    mode = "static" if arm == "static" else "cap-accept" if arm == "cap-accept" else "compact"
+    with_table = arm in ("compact+table", "cap-accept")
+    spec = SpeculativeConfig(mode=mode, cost_table=table if with_table else None, rounds_per_call=rounds_per_call)
+    return Engine.from_pretrained(target, ec, spec, draft_path=default_drafter_path())
 
 
 def cell_groups(prompts: list[str], bs: int, single: int, waves: int = 1) -> list[list[str]]:
@@ -116,7 +105,7 @@ def run_cell(engines: dict, groups, max_new: int, repeats: int, sampling=(0.0, 0
         for _ in range(warmups):
             timed_pass(engine, groups, max_new, sampling)
         stats = getattr(engine, "stats", None)
-        for k in ("predicted_step_s", "table_step_s", "measured_step_s", "round_context", "round_log"):
+        for k in ("predicted_step_s", "measured_step_s", "round_log"):
             if stats is not None and k in stats:
                 stats[k].clear()
     arms = list(engines)
@@ -151,23 +140,18 @@ def run_cell(engines: dict, groups, max_new: int, repeats: int, sampling=(0.0, 0
                     cell[f"rounds_full_batch_{name}"] = int(sel.size)
         if stats is not None and stats.get("predicted_step_s"):
             pred, meas = np.asarray(stats["predicted_step_s"]), np.asarray(stats["measured_step_s"])
-            table = np.asarray(stats["table_step_s"])
+            log = np.asarray([(b, k, o) for b, k, _, _, _, o in stats["round_log"]], np.int64).reshape(-1, 3)
             cell["step_predicted_ms"] = float(np.median(pred) * 1e3)
             cell["step_measured_ms"] = float(np.median(meas) * 1e3)
             cell["step_median_rel_error"] = float(np.median(np.abs(pred - meas) / meas))
-            cell["step_table_ms"] = float(np.median(table) * 1e3)  # the raw table, no level correction
-            cell["step_table_median_rel_error"] = float(np.median(np.abs(table - meas) / meas))
-            # per round (at most 4000): what the error can be traced to (engine stats round_context)
-            ctx = np.asarray(stats["round_context"], np.int64).reshape(-1, 4)
-            steady = ctx[:, 1].astype(bool)
+            steady = log[:, 2].astype(bool)
             if steady.any():
                 cell["step_median_rel_error_overlapped"] = float(np.median(np.abs(pred - meas)[steady] / meas[steady]))
-            cell["step_rounds"] = {"predicted_s": pred[:4000].tolist(), "table_s": table[:4000].tolist(),
-                                   "measured_s": meas[:4000].tolist(), "committed": ctx[:4000, 0].tolist(),
-                                   "overlapped": steady[:4000].tolist(), "batch_size": ctx[:4000, 2].tolist(),
-                                   "budget": ctx[:4000, 3].tolist()}
+            cell["step_rounds"] = {"predicted_s": pred[:4000].tolist(), "measured_s": meas[:4000].tolist(),
+                                   "overlapped": steady[:4000].tolist(), "batch_size": log[:4000, 0].tolist(),
+                                   "budget": log[:4000, 1].tolist()}
             # the run-level error and the per-round jitter floor (benchmarks/step_prediction.py)
-            cell["step_prediction"] = prediction_summary(pred, meas, ctx[:, 2], steady)
+            cell["step_prediction"] = prediction_summary(pred, meas, log[:, 0], steady)
         cells[a] = cell
     return cells
 
@@ -209,23 +193,18 @@ def report(args, env, rows: list[dict]) -> None:
           f"included), median of {args.repeats} passes with the arms interleaved; x none = ratio to the plain "
           "engine in this run; accept = tokens committed per round "
           "(bonus included); window = verified tokens per request per round (anchor included); step pred/meas = "
-          "median predicted vs measured round time (compact with the cost table; the table's level corrected "
-          "online from measured rounds, the raw table in brackets); same tokens = every request's output equals "
+          "median predicted vs measured round time (compact with the cost table); same tokens = every request's output equals "
           "the plain engine's, else how many requests differ and the median token where they first do; "
           "x static paired = median over passes of the arm's tok/s over static's in the same pass "
           "[lowest, highest]; round ms = median round period at the cell's full batch, overlapped (steady "
           "loop) / synchronous (first round after an admission drained the loop), over the timed passes.\n",
           f"Engines in {args.dtype or 'the checkpoint dtype'}, matmul precision {args.matmul_precision or 'default'}, "
-          f"execution {args.execution}, sampling variants {'on' if args.sampling_variants else 'off'}, "
-          f"greedy rounds {'on' if args.greedy_rounds else 'off'}, "
-          f"overlapped admissions {'on' if args.overlap_admissions else 'off'}, "
-          f"admission batch {args.admit_batch}, "
-          f"{args.rounds_per_call} DSpark round(s) per dispatch.\n",
+          f"execution {args.execution}, {args.rounds_per_call} DSpark round(s) per dispatch.\n",
           "| workload | batch | requests | arm | tok/s | x none | x static paired | accept | window | "
-          "round ms overl / sync | step pred (table) / meas ms | same tokens |",
+          "round ms overl / sync | step pred / meas ms | same tokens |",
           "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in sorted(rows, key=lambda r: (r["workload"], r["batch"], ARMS.index(parse_arm(r["arm"]).base), r["arm"])):
-        step = (f"{r['step_predicted_ms']:.3f} ({r['step_table_ms']:.3f}) / {r['step_measured_ms']:.3f}"
+        step = (f"{r['step_predicted_ms']:.3f} / {r['step_measured_ms']:.3f}"
                 if "step_predicted_ms" in r else "")
         same = r.get("same_tokens_as_none", "")
         if same is False:
@@ -275,17 +254,6 @@ def main(argv=None):
                     help="scanned-xla: every layer / drafting loop as an XLA while loop and XLA's norms and K/V "
                          "write (the engines before 2026-12-01), to compare with the defaults (unrolled loops "
                          "and the fused kernels on the GPU)")
-    ap.add_argument("--sampling-variants", type=int, choices=(0, 1), default=1,
-                    help="1 (the engine's default): the plain engine's decode steps as greedy / sampling "
-                         "executables chosen on the host (EngineConfig.sampling_variants)")
-    ap.add_argument("--greedy-rounds", type=int, choices=(0, 1), default=0,
-                    help="1: DSpark rounds get a greedy executable per tier, run when every request is greedy "
-                         "(SpeculativeConfig.greedy_rounds; twice the round executables to compile)")
-    ap.add_argument("--overlap-admissions", type=int, choices=(0, 1), default=0,
-                    help="1: DSpark admissions prefilled behind the round in flight with an unrolled prefill "
-                         "(SpeculativeConfig.overlap_admissions)")
-    ap.add_argument("--admit-batch", type=int, default=1,
-                    help="EngineConfig.admit_batch for every arm: admit once this many slots are free")
     ap.add_argument("--rounds-per-call", type=int, default=1,
                     help="DSpark rounds per dispatch (SpeculativeConfig.rounds_per_call)")
     ap.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (0: greedy, "
@@ -310,8 +278,8 @@ def main(argv=None):
         bases = [parse_arm(a).base for a in arms]
     except ValueError as e:
         ap.error(str(e))
-    if "compact+table" in bases and args.sps_table_path is None:
-        ap.error("compact+table needs --sps-table-path")
+    if {"compact+table", "cap-accept"} & set(bases) and args.sps_table_path is None:
+        ap.error("compact+table and cap-accept need --sps-table-path")
     table = load_cost_table(args.sps_table_path) if args.sps_table_path else None
     env = environment()
     target = default_model_path()
@@ -325,16 +293,12 @@ def main(argv=None):
             by_workload.setdefault(p["workload"], []).append(p["prompt"])
     ec = EngineConfig(max_running_requests=max(args.batch_sizes),
                       max_model_len=args.max_prompt_tokens + args.max_new_tokens + 32, dtype=args.dtype,
-                      precompile=not args.lazy_compile, sampling_variants=bool(args.sampling_variants),
-                      admit_batch=args.admit_batch,
-                      **(dict(unroll_decode=False, norm_backend="reference", kv_write_backend="reference")
-                         if args.execution == "scanned-xla" else {}))
+                      precompile=not args.lazy_compile,
+                      **(dict(unroll_decode=False, kernels="reference") if args.execution == "scanned-xla" else {}))
     engines, setup = {}, {}
     for arm in arms:
         t0 = time.perf_counter()
-        engines[arm] = build_engine(arm, target, ec, table, greedy_rounds=bool(args.greedy_rounds),
-                                    overlap_admissions=bool(args.overlap_admissions),
-                                    rounds_per_call=args.rounds_per_call)
+        engines[arm] = build_engine(arm, target, ec, table, rounds_per_call=args.rounds_per_call)
         setup[arm] = time.perf_counter() - t0
     rows = []
     for workload, prompts in sorted(by_workload.items()):

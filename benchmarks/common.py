@@ -235,27 +235,14 @@ def exit_if_check_failed(ok: bool, name: str, env: dict, check, out_dirs=()) -> 
     sys.exit(2)
 
 
-# EngineConfig's per-op implementation choices, as benchmark flags: (option, help)
-BACKEND_OPTIONS = (
-    ("attention_backend", "ragged paged attention: reference | pallas | auto"),
-    ("norm_backend", "residual add + RMSNorm: reference | pallas | auto"),
-    ("kv_write_backend", "q / k norm + rope + K/V cache write: reference | pallas | auto"),
-)
-
-
 def add_backend_args(ap) -> None:
-    """--attention-backend, --norm-backend, --kv-write-backend (and --sampling-variants), defaulting to what the engine itself defaults to."""
+    """--kernels, as the server and the CLI take it (dspark_jax/server_args.py)."""
     from dspark_jax.engine import EngineConfig
 
-    defaults = EngineConfig()
-    for name, help_text in BACKEND_OPTIONS:
-        ap.add_argument("--" + name.replace("_", "-"), default=getattr(defaults, name), help=help_text)
-    ap.add_argument("--sampling-variants", type=int, choices=(0, 1), default=int(defaults.sampling_variants),
-                    help="1: greedy and sampling decode executables chosen on the host, no device-side "
-                         "conditional (EngineConfig.sampling_variants)")
+    ap.add_argument("--kernels", default=EngineConfig().kernels, choices=("auto", "pallas", "reference"),
+                    help="Pallas kernels: auto (on the GPU), pallas or reference (plain jnp)")
 
 
 def backend_kwargs(args) -> dict:
     """The EngineConfig keyword arguments of the flags ``add_backend_args`` added."""
-    return {**{name: getattr(args, name) for name, _ in BACKEND_OPTIONS},
-            "sampling_variants": bool(args.sampling_variants)}
+    return {"kernels": args.kernels}

@@ -97,24 +97,24 @@ def main(argv=None):
     params = SamplingParams(max_new_tokens=1)
     samp = jax.device_put(sampling_arrays([params] * bs, [0] * bs, [ctx] * bs, B))
     for _ in range(3):
-        engine.runner.run(batch, samp, greedy=True).block_until_ready()
+        engine.worker.run(batch, samp, "greedy").block_until_ready()
     trace_dir = tempfile.mkdtemp(prefix="decode-trace-")
     with jax.profiler.trace(trace_dir):
         out = None
         for _ in range(args.steps):
-            out = engine.runner.run(batch, samp, greedy=True)
+            out = engine.worker.run(batch, samp, "greedy")
         out.block_until_ready()
     summary = summarize(device_kernel_events(trace_dir), args.steps, args.top, args.sequence)
     floor_us = weight_bytes_read(cfg) / bw * 1e6
-    payload = {"env": env, "shape": args.shape, "batch": bs, "context": ctx, "backend": engine.backend,
-               "norm_backend": engine.norm_backend, "kv_write_backend": engine.kv_write_backend,
+    payload = {"env": env, "shape": args.shape, "batch": bs, "context": ctx, "backend": engine.runner.backend,
+               "norm_backend": engine.runner.norm_backend, "kv_write_backend": engine.runner.kv_write_backend,
                "copy_bandwidth_Bps": bw, "weights_floor_us": floor_us, **summary}
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    name = f"decode_profile_{args.shape}_bs{bs}_{engine.backend}{args.tag}"
+    name = f"decode_profile_{args.shape}_bs{bs}_{engine.runner.backend}{args.tag}"
     (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
-    md = [f"# Decode step profile: {args.shape}, batch {bs}, context {ctx}, attention {engine.backend}, "
-          f"norm {engine.norm_backend}, kv write {engine.kv_write_backend}\n",
+    md = [f"# Decode step profile: {args.shape}, batch {bs}, context {ctx}, attention {engine.runner.backend}, "
+          f"norm {engine.runner.norm_backend}, kv write {engine.runner.kv_write_backend}\n",
           f"{env['device']}, jax {env['jax']}, {env['date']}, commit {env['commit']}; copy bandwidth "
           f"{bw / 1e12:.2f} TB/s, weight floor {floor_us:.0f} us.\n"]
     if "error" in summary:

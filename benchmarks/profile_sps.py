@@ -31,64 +31,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.common import environment, result_dirs, time_fn, write_results
-from dspark_jax.engine import EngineConfig
+from benchmarks.common import environment, result_dirs, write_results
+from dspark_jax.default_model import default_drafter_path, default_model_path
+from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.engine.request import Status
-from dspark_jax.spec.dspark.engine import SpeculativeConfig, SpeculativeEngine
 from dspark_jax.sampling import SamplingParams
+from dspark_jax.spec.config import SpeculativeConfig
 from dspark_jax.spec.dspark.cost_model import fit_additive_cost
-from dspark_jax.spec.dspark.step import SpecInputs
 
 
-def steady_inputs(eng: SpeculativeEngine, bs: int, K: int, context: int, sampling=(0.0, 0, 1.0), growth: int = 0):
-    """Inputs for bs requests whose anchors sit at `context`, pages reserved (for `growth` more
-    positions too, when rounds are fed one from the next), budget K, every request with
-    sampling = (temperature, top_k, top_p) and its own seed."""
-    T = eng.tiers.tier_for(bs, K)
-    S = min(T, eng.ec.max_running_requests)
-    P = eng.pages_per_seq
-    table = np.zeros((S, P), np.int32)
-    for i in range(bs):
-        eng.pool.reserve(("profile", i), context + growth + eng.lookahead)
-        table[i] = eng.pool.page_table_row(("profile", i), P)
-    live = np.arange(S) < bs
-    temperature, top_k, top_p = sampling
-    per_row = lambda x, pad, dt: np.where(live, x, pad).astype(dt)
-    inp = SpecInputs(per_row(5, 0, np.int32), per_row(context, 0, np.int32), table, live,
-                     np.int32(bs), np.full(eng.rounds, K, np.int32), per_row(temperature, 0, np.float32),
-                     per_row(top_k, 0, np.int32),
-                     per_row(top_p, 1, np.float32), np.arange(S, dtype=np.uint32),
-                     *eng._no_feed, np.full(S, -1, np.int32), np.full((S, eng.gamma + 1, 0), -1, np.int32))
-    return T, S, inp
-
-
-def round_variant(eng: SpeculativeEngine, temperature: float) -> bool:
-    """Whether the engine runs these rounds with its greedy executable (as _dispatch_round picks)."""
-    return bool(eng.spec.greedy_rounds and temperature == 0)
-
-
-def device_round_seconds(eng: SpeculativeEngine, bs: int, K: int, args) -> tuple[int, float]:
-    """(tier, median seconds) of the compiled round alone on a steady batch."""
-    T, S, inp = steady_inputs(eng, bs, K, args.context, (args.temperature, args.top_k, args.top_p))
-    greedy = round_variant(eng, args.temperature)
-
-    def run():  # as the engine dispatches it: the host inputs packed into one transfer
-        jax.block_until_ready(eng._run_round(T, S, inp, greedy).results)
-
-    t = time_fn(run, warmup=3, iters=args.iters) / eng.rounds  # a call runs eng.rounds rounds
-    for i in range(bs):
-        eng.pool.free(("profile", i))
-    return T, t
-
-
-def engine_round_seconds(eng: SpeculativeEngine, bs: int, K: int, args, rng) -> tuple[int, float]:
+def engine_round_seconds(eng: Engine, bs: int, K: int, args, rng) -> tuple[int, float]:
     """(tier, median round period) of bs requests decoding through the engine with budget K."""
-    G = eng.gamma
-    eng.spec.forced_budget = K
+    G = eng.worker.gamma
+    eng.worker.spec.forced_budget = K
     rounds = args.warmup + args.iters
     params = SamplingParams(max_new_tokens=(rounds + 4) * (G + 1), ignore_eos=True, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p)
@@ -107,15 +65,15 @@ def engine_round_seconds(eng: SpeculativeEngine, bs: int, K: int, args, rng) -> 
             eng.abort(i)
         while eng.has_unfinished():
             eng.step()
-        eng.spec.forced_budget = None
+        eng.worker.spec.forced_budget = None
     cell = [(t, s) for b, k, t, _, s, _ in log if b == bs and k == K][args.warmup:]
     return cell[0][0], float(np.median([s for _, s in cell]))
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-path", required=True)
-    ap.add_argument("--draft-model-path", required=True)
+    ap.add_argument("--model-path", default=None, help="target folder (default: the embedded default model)")
+    ap.add_argument("--draft-model-path", default=None, help="DSpark drafter folder (default: the embedded one)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
     ap.add_argument("--context", type=int, default=256)
@@ -132,8 +90,6 @@ def main(argv=None):
                     "you serve")
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--greedy-rounds", type=int, choices=(0, 1), default=0,
-                    help="SpeculativeConfig.greedy_rounds of the profiled engine (as the served engine's)")
     ap.add_argument("--lazy-compile", action="store_true", help="compile only the shapes the grid uses")
     ap.add_argument("--rounds-per-call", type=int, default=1, help="SpeculativeConfig.rounds_per_call (as served); "
                     "the engine method then records each round as its call's period over its rounds")
@@ -146,12 +102,13 @@ def main(argv=None):
     # The engine configuration of benchmarks/bench_speculative.py (its default --max-prompt-tokens
     # 384 + --max-new-tokens 128 + 32): the same executables, so a run of both shares the persistent
     # compilation cache, and the table prices the executables the benchmark then runs.
-    eng = SpeculativeEngine.from_pretrained(
-        args.model_path, args.draft_model_path,
+    eng = Engine.from_pretrained(
+        args.model_path or default_model_path(),
         EngineConfig(max_running_requests=mx, max_model_len=args.max_model_len, precompile=not args.lazy_compile),
-        SpeculativeConfig(mode="compact", greedy_rounds=bool(args.greedy_rounds), rounds_per_call=args.rounds_per_call))
-    G = eng.gamma
-    print(f"engine compiled in {eng.compile_seconds:.0f} s ({len(eng.tiers.tiers)} token tiers)", flush=True)
+        SpeculativeConfig(mode="compact", rounds_per_call=args.rounds_per_call),
+        draft_path=args.draft_model_path or default_drafter_path())
+    G = eng.worker.gamma
+    print(f"engine compiled in {eng.compile_seconds:.0f} s ({len(eng.worker.tiers.tiers)} token tiers)", flush=True)
     need = args.context + (args.warmup + args.iters + 4) * (G + 1) + eng.lookahead
     if need > eng.max_model_len:
         ap.error(f"a cell needs {need} positions (context + rounds x window + lookahead) > max model len "
@@ -164,7 +121,8 @@ def main(argv=None):
         if args.method == "engine":
             T, t = engine_round_seconds(eng, bs, K, args, rng)
         else:
-            T, t = device_round_seconds(eng, bs, K, args)
+            T, t = eng.worker.time_round(bs, K, args.context, (args.temperature, args.top_k, args.top_p),
+                                         iters=args.iters)
         cells.append({"repeat": rep, "bs": bs, "K": K, "M": bs + K, "tier": T, "seconds": t})
     fit = fit_additive_cost([(c["bs"], c["M"], c["seconds"]) for c in cells], m_bin=args.m_bin,
                             monotone=not args.unconstrained)
@@ -172,7 +130,6 @@ def main(argv=None):
         c["predicted_seconds"] = float(p)
     rel = np.abs(fit.residual_seconds) / np.array([c["seconds"] for c in cells])
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-                "greedy_rounds": bool(args.greedy_rounds), "greedy_executable": round_variant(eng, args.temperature),
                 "rounds_per_call": args.rounds_per_call}
     payload = {"env": env, "method": args.method, "gamma": G, "context": args.context, "repeats": args.repeats,
                "sampling": sampling,
@@ -188,7 +145,6 @@ def main(argv=None):
           f"method {args.method} (engine: round period in the engine's own loop, host work included; "
           f"device: the round executable alone); gamma {G}, context {args.context}, {args.repeats} sweeps; "
           f"temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}, "
-          f"{'greedy' if sampling['greedy_executable'] else 'sampling'} round executable, "
           f"{args.rounds_per_call} round(s) per dispatch; "
           f"{'OLS' if args.unconstrained else 'alpha, theta non-decreasing'}; fit R^2 {fit.r_squared:.4f}, median |pred-meas|/meas "
           f"{np.median(rel):.1%}, max {rel.max():.1%}.\n",

@@ -69,6 +69,12 @@ def sampling_arrays(params: list[SamplingParams], seeds: list[int], positions: l
             column(list(positions), np.int32, 0))
 
 
+def sampling_struct(rows: int) -> tuple:
+    """Abstract sampling arrays (temperature, top_k, top_p, seed, position) of ``rows`` rows."""
+    s = jax.ShapeDtypeStruct
+    return tuple(s((rows,), d) for d in (np.float32, np.int32, np.float32, np.uint32, np.int32))
+
+
 def _filtered_logits(logits, temperature, top_k, top_p):
     """Temperature-scaled logits with everything outside top-k / nucleus top-p set to -inf.
 

@@ -72,7 +72,9 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it works (encode does not): a long prompt tokenized
+        # on a server's worker thread then stalls no other thread.
+        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         return [self.bos_token_id, *ids] if self.bos_token_id is not None else ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:

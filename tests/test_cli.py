@@ -53,7 +53,7 @@ def test_speculative_flags_give_plain_greedy_tokens_and_spec_stats(hf_model_dir,
     dcfg = DSparkConfig.from_target(cfg, num_layers=1, block_size=3, mask_token_id=3, markov_rank=8, target_layer_ids=(0,))
     save_drafter(tmp_path / "d", dcfg, DSparkDrafter(dcfg, rngs=nnx.Rngs(0)), dtype="float32")
     common = ["--model-path", str(hf_model_dir), "--prompt-ids", "5,6,7", "--prompt", "def f(x):", "--max-new-tokens", "8",
-              "--ignore-eos", "--max-model-len", "256", "--json", "--speculative", "dspark",
+              "--ignore-eos", "--max-model-len", "256", "--json", "--speculative-algorithm", "DSPARK",
               "--draft-model-path", str(tmp_path / "d")]
     p = _run(*common, "--verify-mode", "compact")
     assert p.returncode == 0, p.stderr
@@ -62,16 +62,9 @@ def test_speculative_flags_give_plain_greedy_tokens_and_spec_stats(hf_model_dir,
     for got, w in zip(lines, want):
         assert got["token_ids"] == w.token_ids
         assert got["stats"]["spec"]["verify_ct"] >= 1
-    # The online level correction of a cost table: the same greedy tokens; it needs a table.
     table = tmp_path / "table.json"
     table.write_text(json.dumps({"bias_seconds": 1e-3, "bs_probes": [1, 4], "alpha_seconds": [0.0, 1e-4],
                                  "m_probes": [1, 8, 16], "theta_seconds": [0.0, 1e-3, 4e-3]}))
-    p = _run(*common, "--verify-mode", "compact", "--sps-table-path", str(table), "--sps-level-correction", "0.3")
-    assert p.returncode == 0, p.stderr
-    lines = [json.loads(l) for l in p.stdout.strip().splitlines()]
-    assert [got["token_ids"] for got in lines] == [w.token_ids for w in want]
-    p = _run(*common, "--sps-level-correction", "0.3")
-    assert p.returncode == 1 and "--sps-table-path" in p.stderr
     p = _run(*common, "--sps-min-gain", "-1")
     assert p.returncode == 1 and "--sps-min-gain must be >= 0" in p.stderr
     # Two rounds per dispatch: still the plain engine's greedy tokens; 0 is refused.
@@ -87,10 +80,11 @@ def test_speculative_flags_give_plain_greedy_tokens_and_spec_stats(hf_model_dir,
 
 
 def test_min_gain_flag_sets_the_schedulers_guard():
-    from dspark_jax.spec.dspark.engine import SpeculativeConfig
-    from dspark_jax.generate import min_gain
+    from dspark_jax.server_args import ServerArgs
+    from dspark_jax.spec.config import SpeculativeConfig
 
-    assert SpeculativeConfig(**min_gain(None)).min_predicted_gain == SpeculativeConfig().min_predicted_gain == 0.04
-    assert SpeculativeConfig(**min_gain(0.0)).min_predicted_gain == 0.0
+    resolve = lambda **kw: ServerArgs(speculative_algorithm="DSPARK", **kw).resolve()
+    assert resolve().speculative_config().min_predicted_gain == SpeculativeConfig().min_predicted_gain == 0.04
+    assert resolve(sps_min_gain=0.0).speculative_config().min_predicted_gain == 0.0
     with pytest.raises(ValueError, match=">= 0"):
-        min_gain(float("nan"))
+        resolve(sps_min_gain=float("nan"))

@@ -280,82 +280,29 @@ def test_guarded_budget_equals_brute_force_also_on_nearly_flat_tables(seed):
 @pytest.mark.parametrize("seed", range(10))
 def test_a_table_flat_in_k_can_never_trim(seed):
     """A table whose theta is one constant (the engine-loop profile of a host-paced loop) under
-    a min-gain guard g > 0: the full ranking decides verify-all on any survival, at any batch size
-    and with any learned level, so can_trim is False and verify_all (no survival) returns the
-    same budget and predicted time.  Without the guard, or with theta rising, it can trim."""
+    a min-gain guard g > 0: the full ranking decides verify-all on any survival, at any batch size,
+    so can_trim is False and verify_all (no survival) returns the same budget and predicted time.
+    Without the guard, or with theta rising, it can trim."""
     rng = np.random.default_rng(700 + seed)
     bias, theta = float(rng.uniform(5e-4, 2e-3)), float(rng.uniform(0, 5e-4))
     flat = AdditiveCostTable(bias, [1.0, 8.0, 64.0], [0.0, *rng.uniform(0, 3e-4, 2)], [0.0, 64.0, 512.0],
                              [theta] * 3)
-    sched = ConfidenceScheduler(GAMMA, flat, min_predicted_gain=float(rng.choice([0.01, 0.04])), correction_weight=1.0)
+    sched = ConfidenceScheduler(GAMMA, flat, min_predicted_gain=float(rng.choice([0.01, 0.04])))
     assert not sched.can_trim
-    for regime, level in ((True, float(rng.uniform(-0.4, 1.0))), (False, float(rng.uniform(-0.4, 1.0)))):
-        sched.record_step_time(8, 0, flat.predict(8, 0) * (1 + level), overlapped=regime)  # weight 1: this level
     for rows in (1, 3, 8, 20, 64):
         survival = _random_survival(rng, rows, quantised=bool(rng.integers(2)))
         survival[rng.random(rows) < 0.2] *= 1e-7  # some candidates under SURVIVAL_EPS
         fresh = rng.random(rows) < 0.2
-        for overlapped in (True, False):
-            ranked = sched.decide_budget(survival, fresh, overlapped=overlapped)
-            quick = sched.verify_all(rows, overlapped=overlapped)
-            assert ranked.budget == quick.budget == rows * GAMMA
-            assert quick.predicted_step_seconds == pytest.approx(ranked.predicted_step_seconds, rel=1e-12)
-            assert quick.table_step_seconds == pytest.approx(flat.predict(rows, rows * GAMMA), rel=1e-12)
+        ranked = sched.decide_budget(survival, fresh)
+        quick = sched.verify_all(rows)
+        assert ranked.budget == quick.budget == rows * GAMMA
+        assert quick.predicted_step_seconds == pytest.approx(ranked.predicted_step_seconds, rel=1e-12)
+        assert quick.predicted_step_seconds == pytest.approx(flat.predict(rows, rows * GAMMA), rel=1e-12)
     for g in (None, 0.0):  # these drop the candidates under SURVIVAL_EPS
         assert ConfidenceScheduler(GAMMA, flat, min_predicted_gain=g).can_trim
     rising = AdditiveCostTable(bias, [1.0], [0.0], [0.0, 512.0], [theta, theta + 1e-6])
     assert ConfidenceScheduler(GAMMA, rising, min_predicted_gain=0.04).can_trim
     assert not ConfidenceScheduler(GAMMA, None).can_trim
-
-
-def test_level_correction_shifts_the_argmax_towards_verify_all():
-    """A table whose level is too low overprices a verified token relative to the whole step.
-    With the learned offset c, K = argmax tau(n) / (T(n) + c), brute-forced here."""
-    table = AdditiveCostTable(5e-4, [1.0, 16.0], [0.0, 1e-4], [0.0, 64.0], [0.0, 1e-3])
-    rows = 8
-    s = np.tile([0.9, 0.8, 0.6, 0.3, 0.1, 0.05, 0.02], (rows, 1))
-    fresh = np.zeros(rows, bool)
-    cands = np.sort(s.ravel())[::-1]
-    tau = rows + np.concatenate([[0.0], np.cumsum(cands)])
-
-    def brute(offset):
-        return int(np.argmax(tau / (table.predict(rows, np.arange(cands.size + 1)) + offset)))
-
-    raw = ConfidenceScheduler(GAMMA, table).decide_budget(s, fresh)
-    assert raw.budget == brute(0.0) < rows * GAMMA
-    sched = ConfidenceScheduler(GAMMA, table, correction_weight=0.5)
-    for measured in (4e-3, 6e-3, 6e-3, 6e-3, 6e-3, 6e-3):  # rounds at batch 8 read by the engine
-        sched.record_step_time(rows, raw.budget, measured)
-    c = sched.corrections[True].offset(rows)
-    target = 6e-3 - table.predict(rows, raw.budget)  # what the table misses at this budget
-    assert 0.7 * target < c <= target + 1e-12
-    got = sched.decide_budget(s, fresh)
-    assert got.budget == brute(c) > raw.budget
-    assert got.predicted_step_seconds == pytest.approx(table.predict(rows, got.budget) + c)
-    # Off (the default of the scheduler itself): recording is a no-op.
-    off = ConfidenceScheduler(GAMMA, table)
-    off.record_step_time(rows, raw.budget, 1.0)
-    assert off.corrections is None and off.decide_budget(s, fresh).budget == raw.budget
-
-
-def test_level_correction_is_learned_per_regime():
-    """Overlapped rounds (host work hidden behind the device) and synchronous ones (dispatch,
-    device and read in series) cost different amounts: each regime learns its own level, and a
-    budget is predicted with the level of the regime it will run in."""
-    table = AdditiveCostTable(5e-4, [1.0, 16.0], [0.0, 1e-4], [0.0, 64.0], [0.0, 1e-3])
-    rows, budget = 8, 20
-    sched = ConfidenceScheduler(GAMMA, table, correction_weight=1.0)  # weight 1: the last round
-    base = table.predict(rows, budget)  # ~1 ms; residuals within it are not clipped
-    sched.record_step_time(rows, budget, base + 0.5e-3, overlapped=True)
-    assert sched.corrections[True].offset(rows) == pytest.approx(0.5e-3)
-    assert sched.corrections[False].offset(rows) == 0.0  # nothing synchronous seen yet
-    sched.record_step_time(rows, budget, base + 0.8e-3, overlapped=False)
-    assert sched.corrections[True].offset(rows) == pytest.approx(0.5e-3)
-    s = np.tile([0.9, 0.8, 0.6, 0.3, 0.1, 0.05, 0.02], (rows, 1))
-    fresh = np.zeros(rows, bool)
-    for overlapped, offset in ((True, 0.5e-3), (False, 0.8e-3)):
-        got = sched.decide_budget(s, fresh, overlapped=overlapped)
-        assert got.predicted_step_seconds == pytest.approx(table.predict(rows, got.budget) + offset)
 
 
 # -- the lag ring ---------------------------------------------------------------------------

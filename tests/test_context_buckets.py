@@ -12,9 +12,8 @@ import pytest
 
 from dspark_jax.checkpoint import load_model
 from dspark_jax.engine import Engine, EngineConfig
-from dspark_jax.spec.mtp.engine import MTPEngine
-from dspark_jax.spec.dspark.engine import SpeculativeConfig, SpeculativeEngine
 from dspark_jax.sampling import SamplingParams
+from dspark_jax.spec.config import SpeculativeConfig
 from dspark_jax.tokenizer import Tokenizer
 from tests.test_mtp_engine import repeat_drafter, scaled_target
 from tests.test_speculative_engine import TABLE, repeat_biased_drafter
@@ -62,16 +61,16 @@ def test_page_width_ladder_and_choice(model_dir):
 def test_plain_decode_runs_narrow_tables_and_commits_the_same_tokens(model_dir, caplog):
     wide = Engine.from_pretrained(model_dir, EngineConfig(**ONE_BUCKET))
     eng = Engine.from_pretrained(model_dir, EngineConfig(**BUCKETED))
-    assert {b[3] for b in eng.runner.compiled_buckets} == {4, 8, 16, 32}  # all compiled at start-up
+    assert {key[2] for key in eng.worker._compiled} == {4, 8, 16, 32}  # all compiled at start-up
     prompts, params = _workload(300, seed=0)
     expected = [r.token_ids for r in wide.generate(prompts, params)]
-    widths, run = [], eng.runner.run
+    widths, run = [], eng.worker.run
 
-    def recording(batch, sampling, **kw):
+    def recording(batch, sampling, variant):
         widths.append(batch.page_table.shape[1])
-        return run(batch, sampling, **kw)
+        return run(batch, sampling, variant)
 
-    eng.runner.run = recording
+    eng.worker.run = recording
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):
         got = [r.token_ids for r in eng.generate(prompts, params)]
     assert got == expected
@@ -84,15 +83,9 @@ def test_dspark_rounds_run_narrow_tables_and_stay_lossless(model_dir, mode):
     _, target = load_model(model_dir)
     tok = Tokenizer.from_folder(model_dir)
     plain = Engine.from_pretrained(model_dir, EngineConfig(**ONE_BUCKET, precompile=False))
-    eng = SpeculativeEngine(target, tok, repeat_biased_drafter(target), EngineConfig(**BUCKETED, precompile=False),
-                            SpeculativeConfig(mode=mode, cost_table=TABLE if mode == "compact" else None))
-    widths, run_round = [], eng._run_round
-
-    def recording(T, S, inp, *args):
-        widths.append(inp.page_table.shape[1])
-        return run_round(T, S, inp, *args)
-
-    eng._run_round = recording
+    eng = Engine(target, tok, EngineConfig(**BUCKETED, precompile=False), drafter=repeat_biased_drafter(target),
+                 spec=SpeculativeConfig(mode=mode, cost_table=TABLE if mode == "compact" else None))
+    widths = _spy_widths(eng)
     prompts, params = _workload(300, seed=1)
     assert [r.token_ids for r in eng.generate(prompts, params)] == [r.token_ids for r in plain.generate(prompts, params)]
     assert {8, 16, 32} <= set(widths)  # a round's lookahead (10 tokens here) starts it past 4 pages
@@ -103,15 +96,23 @@ def test_mtp_rounds_run_narrow_tables_and_stay_lossless():
     target = scaled_target()
     ec = dict(BUCKETED, max_prefill_tokens=16, precompile=False)
     plain = Engine(target, None, EngineConfig(**{**ec, "min_context_bucket": 0}))
-    eng = MTPEngine(target, None, repeat_drafter(target), EngineConfig(**ec), num_steps=3)
-    widths, compiled = [], eng._compiled_spec
-
-    def recording(T, S, P):
-        widths.append(P)
-        return compiled(T, S, P)
-
-    eng._compiled_spec = recording
+    eng = Engine(target, None, EngineConfig(**ec), drafter=repeat_drafter(target),
+                 spec=SpeculativeConfig(algorithm="mtp", num_steps=3))
+    widths = _spy_widths(eng)
     prompts, params = _workload(128, seed=2)
     assert [r.token_ids for r in eng.generate(prompts, params)] == [r.token_ids for r in plain.generate(prompts, params)]
     assert {4, 8, 16, 32} <= set(widths)
     eng.pool.check_invariants()
+
+
+def _spy_widths(eng) -> list[int]:
+    """The page-table width of every round the engine's worker dispatches, appended as it runs."""
+    widths, arrays = [], eng.worker.round_arrays
+
+    def recording(reqs, S):
+        out = arrays(reqs, S)
+        widths.append(out[1].shape[1])
+        return out
+
+    eng.worker.round_arrays = recording
+    return widths

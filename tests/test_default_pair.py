@@ -41,36 +41,36 @@ def greedy():
 
 @pytest.mark.parametrize("arm", ["static", "compact", "cap-accept", "mtp"])
 def test_default_pair_equals_plain_greedy(greedy, arm):
+    from dspark_jax.spec.config import SpeculativeConfig
+
     if arm == "mtp":
-        from dspark_jax.spec.mtp.engine import MTPEngine
-
-        eng = MTPEngine.from_pretrained(default_model_path(), default_mtp_path(), EC)
+        eng = Engine.from_pretrained(default_model_path(), EC, SpeculativeConfig(algorithm="mtp"),
+                                     draft_path=default_mtp_path())
     else:
-        from dspark_jax.spec.dspark.engine import SpeculativeConfig, SpeculativeEngine
-
         spec = SpeculativeConfig(mode=arm, cost_table=None if arm == "static" else TABLE)
-        eng = SpeculativeEngine.from_pretrained(default_model_path(), default_drafter_path(), EC, spec)
+        eng = Engine.from_pretrained(default_model_path(), EC, spec, draft_path=default_drafter_path())
     res = eng.generate(PROMPTS, PARAMS)
     assert [r.token_ids for r in res] == greedy
     accepted = [a for r in res for a in r.stats["spec"]["accept_lens"]]
     assert max(accepted) > 2  # the trained drafters really deliver multi-token rounds
 
 
-def test_from_pretrained_calibrates_with_the_drafters_own_sts():
+def test_from_pretrained_calibrates_with_the_drafters_own_sts(tmp_path):
     """The Python API serves the drafter folder's sts.json unless told otherwise (as the CLI and the
-    server do); data collection and an explicit opt-out keep the raw head."""
+    server do); data collection keeps the raw head."""
     import numpy as np
 
     from dspark_jax.calibration.sts import StsCalibration
     from dspark_jax.spec.dspark.checkpoint import drafter_sts_path
-    from dspark_jax.spec.dspark.engine import SpeculativeConfig, SpeculativeEngine
+    from dspark_jax.spec.config import SpeculativeConfig
 
     path = drafter_sts_path(default_drafter_path())
     assert path is not None
     want = np.asarray(StsCalibration.load(path).temperatures, np.float32)
     assert not np.allclose(want, 1.0)
     ec = EngineConfig(max_running_requests=2, max_model_len=128, precompile=False)
-    eng = SpeculativeEngine.from_pretrained(default_model_path(), default_drafter_path(), ec)
-    np.testing.assert_array_equal(np.asarray(eng.sts_temperatures), want)
-    raw = SpeculativeEngine.from_pretrained(default_model_path(), default_drafter_path(), ec, sts_from_folder=False)
-    assert np.all(np.asarray(raw.sts_temperatures) == 1.0)
+    eng = Engine.from_pretrained(default_model_path(), ec, SpeculativeConfig(), draft_path=default_drafter_path())
+    np.testing.assert_array_equal(np.asarray(eng.worker.sts_temperatures), want)
+    rec = Engine.from_pretrained(default_model_path(), ec, SpeculativeConfig(record_sts_dir=str(tmp_path)),
+                                 draft_path=default_drafter_path())
+    assert np.all(np.asarray(rec.worker.sts_temperatures) == 1.0)

@@ -147,31 +147,32 @@ def test_no_compilation_after_startup(tiny_engine, caplog):
     assert not compiles, compiles
 
 
-def test_host_chosen_sampling_variants_give_identical_tokens(hf_model_dir, tiny_engine, caplog):
-    """sampling_variants: decode buckets compiled for greedy and for sampling batches, picked on
-    the host per step, commit exactly the tokens of the device-side choice, greedy batches run
-    the greedy executable, and nothing compiles after start-up."""
-    eng = Engine.from_pretrained(hf_model_dir, EngineConfig(max_running_requests=4, max_prefill_tokens=64,
-                                                            max_model_len=256, sampling_variants=True))
-    decode = [(b, b, b, p) for b in eng.decode_buckets for p in eng.page_widths]
-    assert all((d, v) in eng.runner._compiled for d in decode for v in ("greedy", "stochastic"))
+def test_host_chosen_sampling_variants_serve_mixed_batches(tiny_engine, caplog):
+    """Decode buckets are compiled for greedy and for sampling batches and picked on the host per
+    step: both serve steps, nothing compiles after start-up, and a request's tokens do not depend
+    on which variant its batch ran (each prompt alone gives what the mixed batch gave it)."""
+    eng = tiny_engine
+    decode = [(b, b, p) for b in eng.decode_buckets for p in eng.page_widths]
+    assert all((*d, v) in eng.worker._compiled for d in decode for v in ("greedy", "stochastic"))
     prompts = _prompts(eng, 6, seed=22)
     mixed = [GREEDY, SamplingParams(max_new_tokens=9, temperature=0.9, top_k=20, top_p=0.9, seed=4)] * 3
     eng.generate(prompts[:2], GREEDY)  # warm host paths
-    seen, dispatch = [], eng.runner.run
+    seen, run = [], eng.worker.run
 
-    def recording(batch, sampling, *, greedy=False):
-        seen.append(greedy)
-        return dispatch(batch, sampling, greedy=greedy)
+    def recording(batch, sampling, variant):
+        seen.append(variant)
+        return run(batch, sampling, variant)
 
-    eng.runner.run = recording
-    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
-        got = [r.token_ids for r in eng.generate(prompts, mixed)] + [r.token_ids for r in eng.generate(prompts, GREEDY)]
-    assert not [r.message for r in caplog.records if "Compiling" in r.message]
-    want = [r.token_ids for r in tiny_engine.generate(prompts, mixed)] + \
-        [r.token_ids for r in tiny_engine.generate(prompts, GREEDY)]
-    assert got == want
-    assert True in seen and False in seen  # both variants served steps
+    eng.worker.run = recording
+    try:
+        with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+            got = [r.token_ids for r in eng.generate(prompts, mixed)]
+        assert not [r.message for r in caplog.records if "Compiling" in r.message]
+        assert {"greedy", "stochastic"} <= set(seen)  # both variants served steps
+        alone = [eng.generate(p, sp)[0].token_ids for p, sp in zip(prompts, mixed)]
+    finally:
+        del eng.worker.run
+    assert got == alone
 
 
 def test_results_carry_timing_stats(tiny_engine):
@@ -185,28 +186,27 @@ def test_results_carry_timing_stats(tiny_engine):
 def test_unrolled_decode_and_lazy_compile_give_identical_tokens(hf_model_dir, tiny_engine):
     eng = Engine.from_pretrained(hf_model_dir, EngineConfig(max_running_requests=4, max_prefill_tokens=64,
                                                             max_model_len=256, unroll_decode=True, precompile=False))
-    assert eng.runner.compiled_buckets == []
+    assert not eng.worker._compiled
     prompts = _prompts(tiny_engine, 5, seed=31)
     assert [r.token_ids for r in eng.generate(prompts, GREEDY)] == [r.token_ids for r in tiny_engine.generate(prompts, GREEDY)]
-    assert eng.runner.compiled_buckets  # compiled on first use
+    assert eng.worker._compiled  # compiled on first use
 
 
-def test_fused_norm_and_kv_write_backends_give_identical_tokens(hf_model_dir, tiny_engine):
+def test_pallas_kernels_give_identical_tokens(hf_model_dir, tiny_engine):
     eng = Engine.from_pretrained(hf_model_dir, EngineConfig(max_running_requests=4, max_prefill_tokens=64,
-                                                            max_model_len=256, precompile=False, norm_backend="pallas",
-                                                            kv_write_backend="pallas"))
+                                                            max_model_len=256, precompile=False, kernels="pallas"))
     assert eng.config.hidden_size & (eng.config.hidden_size - 1) == 0  # a width the fused kernel takes
     assert eng.config.head_dim & (eng.config.head_dim - 1) == 0  # and the kv write kernel
-    assert (eng.norm_backend, eng.kv_write_backend) == ("pallas", "pallas")
-    # the defaults ("auto") are the XLA paths off the GPU
-    assert (tiny_engine.norm_backend, tiny_engine.kv_write_backend) == (
-        ("pallas", "pallas") if jax.default_backend() == "gpu" else ("reference", "reference"))
+    runner = eng.runner
+    assert (runner.backend, runner.norm_backend, runner.kv_write_backend) == ("pallas",) * 3
+    # the default ("auto") is the XLA path off the GPU
+    expected = "pallas" if jax.default_backend() == "gpu" else "reference"
+    assert (tiny_engine.runner.norm_backend, tiny_engine.runner.kv_write_backend) == (expected, expected)
     prompts = _prompts(tiny_engine, 3, seed=32)
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     assert [r.token_ids for r in eng.generate(prompts, params)] == [r.token_ids for r in tiny_engine.generate(prompts, params)]
-    for bad in (dict(norm_backend="triton"), dict(kv_write_backend="cuda")):
-        with pytest.raises(ValueError, match="backend"):
-            Engine.from_pretrained(hf_model_dir, EngineConfig(max_model_len=64, precompile=False, **bad))
+    with pytest.raises(ValueError, match="kernels"):
+        Engine.from_pretrained(hf_model_dir, EngineConfig(max_model_len=64, precompile=False, kernels="triton"))
 
 
 def test_overlapped_decode_equals_synchronous_decode(hf_model_dir, tiny_engine):
@@ -263,20 +263,3 @@ def test_abort_forgets_running_and_waiting_requests(hf_model_dir):
         eng.step()
     eng.pool.check_invariants()
     assert eng.pool.num_free_pages == eng.pool.num_usable_pages
-
-
-def test_benchmark_backend_flags_build_the_engine_config():
-    """The benchmarks' --*-backend flags map onto EngineConfig fields (the defaults are the engine's own)."""
-    import argparse
-
-    from benchmarks.common import add_backend_args, backend_kwargs
-
-    ap = argparse.ArgumentParser()
-    add_backend_args(ap)
-    kw = backend_kwargs(ap.parse_args([]))
-    defaults = EngineConfig()
-    assert kw == {k: getattr(defaults, k) for k in kw}
-    kw = backend_kwargs(ap.parse_args(["--norm-backend", "pallas", "--sampling-variants", "1"]))
-    assert kw["norm_backend"] == "pallas"
-    assert kw["sampling_variants"] is True
-    EngineConfig(**kw)  # every key is a field

@@ -17,7 +17,7 @@ from flax import nnx
 
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.engine.model_runner import enable_compilation_cache
-from dspark_jax.spec.mtp.engine import MTPEngine
+from dspark_jax.spec.config import SpeculativeConfig
 from dspark_jax.engine.request import Status
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM, forward_dense
 from dspark_jax.spec.mtp.model import MTPConfig, MTPDrafter, save_mtp
@@ -78,16 +78,20 @@ def plain(target):
 
 @pytest.fixture(scope="module")
 def engines(target):
-    """One MTPEngine per (drafter, k), built on first use and shared (engines are reusable)."""
+    """One MTP engine per (drafter, k), built on first use and shared (engines are reusable)."""
     made = {}
 
-    def get(kind: str, k: int) -> MTPEngine:
+    def get(kind: str, k: int) -> Engine:
         if (kind, k) not in made:
             drafter = {"repeat": repeat_drafter, "random": random_drafter}[kind](target)
-            made[kind, k] = MTPEngine(target, None, drafter, EngineConfig(**EC), num_steps=k)
+            made[kind, k] = mtp_engine(target, drafter, EngineConfig(**EC), k)
         return made[kind, k]
 
     return get
+
+
+def mtp_engine(target, drafter, ec, k):
+    return Engine(target, None, ec, drafter=drafter, spec=SpeculativeConfig(algorithm="mtp", num_steps=k))
 
 
 def _prompts(n, seed, max_len=40):
@@ -98,7 +102,8 @@ def _prompts(n, seed, max_len=40):
 
 def _check_idle(eng):
     eng.pool.check_invariants()
-    assert eng.pool.num_free_pages == eng.pool.num_usable_pages and not eng._slot_of
+    assert eng.pool.num_free_pages == eng.pool.num_usable_pages
+    assert sorted(eng.scheduler._free_slots) == list(range(EC["max_running_requests"]))
 
 
 @pytest.mark.parametrize("kind", ["repeat", "random"])
@@ -164,24 +169,26 @@ def test_drafts_follow_the_dense_drafter(engines, target):
     """Draft 1 of every round equals the teacher-forced drafter over the committed sequence:
     the drafter cache and the carried rows (hidden state of row p paired with x_{p+1}, written
     by prefill chunks and by each round's extend) hold exactly the right pairs."""
+    import dspark_jax.spec.mtp.worker as mtp_worker
+
     eng = engines("random", 3)
     seen = []
-    commit = eng._commit
+    commit = mtp_worker.commit_rounds
 
-    def recording(reqs, out):
-        seen.extend((r.id, r.total_len - 1, int(out.drafts[i, 0])) for i, r in enumerate(reqs))
-        return commit(reqs, out)
+    def recording(stats, reqs, drafts, *rest):
+        seen.extend((r.id, r.total_len - 1, int(drafts[i, 0])) for i, r in enumerate(reqs))
+        return commit(stats, reqs, drafts, *rest)
 
-    eng._commit = recording
+    mtp_worker.commit_rounds = recording
     try:
         prompts = _prompts(4, seed=11)
         res = eng.generate(prompts, SamplingParams(max_new_tokens=20, ignore_eos=True))
     finally:
-        del eng._commit
+        mtp_worker.commit_rounds = commit
     checked = 0
     for p, r in zip(prompts, res):
         ids = p + r.token_ids
-        lg = _dense_draft_logits(target, eng.drafter, ids)
+        lg = _dense_draft_logits(target, eng.worker.drafter, ids)
         top2 = np.sort(lg, -1)[:, -2:]
         for rid, start, d1 in seen:
             if rid != r.request_id:
@@ -221,17 +228,17 @@ def test_sampling_is_independent_of_batch_composition(engines):
 def test_page_accounting_and_abort(engines, target):
     eng = engines("repeat", 3)
     d = MTPConfig.from_target(target.config)
-    assert eng.lookahead == 4 and eng._extra_kv_bytes_per_token(target) == 2 * d.num_key_value_heads * d.head_dim * 4
-    assert eng.dcache.k.shape == (1, *eng.tcache.k.shape[1:])
+    assert eng.lookahead == 4 and eng.worker.kv_bytes_per_token(target.dtype) == 2 * d.num_key_value_heads * d.head_dim * 4
+    assert eng.worker.dcache.k.shape == (1, *eng.runner.cache.k.shape[1:])
     rid = eng.add_request([5, 6, 7], SamplingParams(max_new_tokens=50, ignore_eos=True))
     req = eng.get_request(rid)
     assert req.reserve_tokens == 3 + 50 + 4
     other = eng.add_request([9] * 20, SamplingParams(max_new_tokens=8, ignore_eos=True))
     while len(req.output_ids) < 6:
         eng.step()
-    assert rid in eng._slot_of
+    assert req.slot >= 0 and req.slot not in eng.scheduler._free_slots
     eng.abort(rid)
-    assert req.status is Status.FINISHED and req.result().finish_reason == "abort" and rid not in eng._slot_of
+    assert req.status is Status.FINISHED and req.result().finish_reason == "abort" and req.slot in eng.scheduler._free_slots
     while eng.has_unfinished():
         eng.step()
     assert eng.get_request(other) is None
@@ -253,8 +260,8 @@ def test_sampled_mtp_follows_target_distribution():
     h = forward_dense(tgt, jnp.asarray(seqs), jnp.tile(jnp.arange(5), (len(seqs), 1))).hidden
     p = np.asarray(jax.nn.softmax(tgt.logits(h), -1), np.float64)  # [Vs*Vs, 5, Vs]
     joint = np.einsum("a,ab,abc->abc", p[0, 2], p[::Vs, 3].reshape(Vs, Vs), p[:, 4].reshape(Vs, Vs, Vs))
-    eng = MTPEngine(tgt, None, drafter, EngineConfig(max_running_requests=64, max_prefill_tokens=256, max_prefill_seqs=64,
-                                                     max_model_len=32, page_size=4, precompile=False), num_steps=2)
+    eng = mtp_engine(tgt, drafter, EngineConfig(max_running_requests=64, max_prefill_tokens=256, max_prefill_seqs=64,
+                                                max_model_len=32, page_size=4, precompile=False), 2)
     n = 6000
     res = eng.generate([prompt] * n, [SamplingParams(max_new_tokens=3, temperature=1.0, seed=i, ignore_eos=True)
                                       for i in range(n)])
@@ -280,7 +287,7 @@ def test_server_reports_mtp_stats(engines, plain):
     eng = engines("repeat", 3)
     ids = [5, 17, 42, 9, 77]
     want = plain.generate(ids, SamplingParams(max_new_tokens=24, ignore_eos=True))[0].token_ids
-    app = create_app(eng, ServerConfig(model_name="m", speculative_algorithm="MTP", block_size=eng.gamma))
+    app = create_app(eng, ServerConfig(model_name="m", speculative_algorithm="MTP", block_size=eng.worker.gamma))
     with serve_in_thread(app) as base:
         g = httpx.post(base + "/generate", json={"input_ids": ids, "sampling_params": {
             "max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}, timeout=60, trust_env=False).json()
@@ -318,7 +325,7 @@ def test_cli_mtp_gives_plain_greedy_tokens_and_spec_stats(model_folder, target, 
     p = subprocess.run([sys.executable, "-m", "dspark_jax.generate", "--model-path", str(model_folder),
                         *[a for ids in prompts for a in ("--prompt-ids", ",".join(map(str, ids)))],
                         "--max-new-tokens", "20", "--ignore-eos", "--max-model-len", "160", "--max-running-requests", "4",
-                        "--no-precompile", "--json", "--speculative", "mtp", "--draft-model-path", str(tmp_path / "mtp")],
+                        "--no-precompile", "--json", "--speculative-algorithm", "MTP", "--draft-model-path", str(tmp_path / "mtp")],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     lines = [json.loads(line) for line in p.stdout.strip().splitlines()]
@@ -333,43 +340,42 @@ def test_num_steps_default_and_override(model_folder, target, tmp_path):
     ec = EngineConfig(**EC)
     save_mtp(tmp_path / "k2", repeat_drafter(target), num_steps=2)
     save_mtp(tmp_path / "plain", repeat_drafter(target))
-    assert MTPEngine.from_pretrained(model_folder, tmp_path / "k2", ec).num_steps == 2
-    assert MTPEngine.from_pretrained(model_folder, tmp_path / "k2", ec, num_steps=1).num_steps == 1
-    eng = MTPEngine.from_pretrained(model_folder, tmp_path / "plain", ec)
-    assert eng.num_steps == 3 and eng.lookahead == 4
+    load = lambda folder, **kw: Engine.from_pretrained(model_folder, ec, SpeculativeConfig(algorithm="mtp", **kw),
+                                                       draft_path=folder)
+    assert load(tmp_path / "k2").worker.num_steps == 2
+    assert load(tmp_path / "k2", num_steps=1).worker.num_steps == 1
+    eng = load(tmp_path / "plain")
+    assert eng.worker.num_steps == 3 and eng.lookahead == 4
     with pytest.raises(ValueError, match="num_steps"):
-        MTPEngine(target, None, repeat_drafter(target), ec, num_steps=0)
+        mtp_engine(target, repeat_drafter(target), ec, 0)
 
 
 def test_cli_and_launch_argument_errors(model_folder, tmp_path, capsys):
     from dspark_jax.generate import main
-    from serving.launch import build_parser, resolve
+    from dspark_jax.server_args import ServerArgs
 
     mtp = tmp_path / "mtp"
     save_mtp(mtp, MTPDrafter(MTPConfig.from_target(tiny_config(V + 1)), rngs=nnx.Rngs(0)))
     base = ["--model-path", str(model_folder), "--prompt-ids", "5,6"]
-    assert main([*base, "--speculative", "mtp"]) == 1 and "--draft-model-path" in capsys.readouterr().err
-    assert main([*base, "--mtp-steps", "2"]) == 1 and "--speculative mtp" in capsys.readouterr().err
-    assert main([*base, "--speculative", "mtp", "--draft-model-path", str(mtp), "--block-size", "4"]) == 1
+    assert main([*base, "--speculative-algorithm", "mtp"]) == 1 and "--draft-model-path" in capsys.readouterr().err
+    assert main([*base, "--mtp-steps", "2"]) == 1 and "--speculative-algorithm MTP" in capsys.readouterr().err
+    assert main([*base, "--speculative-algorithm", "mtp", "--draft-model-path", str(mtp), "--verify-mode", "compact"]) == 1
     assert "DSpark options" in capsys.readouterr().err
-    assert main([*base, "--speculative", "mtp", "--draft-model-path", str(mtp)]) == 1  # another vocabulary
+    assert main([*base, "--speculative-algorithm", "mtp", "--draft-model-path", str(mtp)]) == 1  # another vocabulary
     assert "does not fit this target" in capsys.readouterr().err
 
-    ap = build_parser()
-    r = resolve(ap.parse_args(["--model-path", str(model_folder), "--draft-model-path", str(mtp)]), ap)
-    assert r["algo"] == "MTP" and r["draft"] == mtp  # the folder's kind picks the algorithm
-    r = resolve(ap.parse_args(["--model-path", str(model_folder), "--draft-model-path", str(mtp),
-                               "--speculative-algorithm", "MTP", "--mtp-steps", "1"]), ap)
-    assert r["algo"] == "MTP"
+    resolve = lambda **kw: ServerArgs(model_path=str(model_folder), **kw).resolve()
+    r = resolve(draft_model_path=str(mtp))
+    assert r.speculative_algorithm == "MTP" and r.draft_model_path == str(mtp)  # the folder's kind picks the algorithm
+    assert resolve(draft_model_path=str(mtp), speculative_algorithm="MTP", mtp_steps=1).speculative_algorithm == "MTP"
     from dspark_jax.default_model import default_mtp_path
 
     if default_mtp_path() is not None:  # the embedded model brings its embedded MTP drafter
-        r = resolve(ap.parse_args(["--speculative-algorithm", "MTP"]), ap)
-        assert (r["algo"], r["draft"]) == ("MTP", default_mtp_path())
-    for bad, msg in ((["--speculative-algorithm", "MTP"], "needs --draft-model-path"),
-                     (["--speculative-algorithm", "MTP", "--draft-model-path", str(mtp), "--verify-mode", "compact"],
+        r = ServerArgs(speculative_algorithm="MTP").resolve()
+        assert (r.speculative_algorithm, r.draft_model_path) == ("MTP", str(default_mtp_path()))
+    for bad, msg in ((dict(speculative_algorithm="MTP"), "needs --draft-model-path"),
+                     (dict(speculative_algorithm="MTP", draft_model_path=str(mtp), verify_mode="compact"),
                       "DSpark options"),
-                     (["--mtp-steps", "2"], "--mtp-steps needs")):
-        with pytest.raises(SystemExit):
-            resolve(ap.parse_args(["--model-path", str(model_folder), *bad]), ap)
-        assert msg in capsys.readouterr().err
+                     (dict(mtp_steps=2), "--mtp-steps needs")):
+        with pytest.raises(ValueError, match=msg):
+            resolve(**bad)

@@ -415,7 +415,7 @@ def test_launch_cli_and_graceful_sigterm(model_dir, tmp_path):
 def test_speculative_server_reports_spec_stats(tmp_path_factory):
     from dspark_jax.checkpoint import load_model
     from dspark_jax.engine import Engine, EngineConfig
-    from dspark_jax.spec.dspark.engine import SpeculativeConfig, SpeculativeEngine
+    from dspark_jax.spec.config import SpeculativeConfig
     from dspark_jax.sampling import SamplingParams
     from dspark_jax.tiny_model import write_tiny_model
     from dspark_jax.tokenizer import Tokenizer
@@ -426,13 +426,13 @@ def test_speculative_server_reports_spec_stats(tmp_path_factory):
     _, target = load_model(d)
     # Lazy compilation: only the shapes this test touches (keeps the cold-cache time down).
     ec = EngineConfig(max_running_requests=4, max_prefill_tokens=64, max_model_len=256, page_size=8, precompile=False)
-    engine = SpeculativeEngine(target, Tokenizer.from_folder(d), repeat_biased_drafter(target), ec,
-                               SpeculativeConfig(mode="cap-accept"))
+    engine = Engine(target, Tokenizer.from_folder(d), ec, drafter=repeat_biased_drafter(target),
+                    spec=SpeculativeConfig(mode="cap-accept"))
     ids = [5, 17, 42, 9, 77]
     want = Engine.from_pretrained(d, ec).generate(ids, SamplingParams(
         max_new_tokens=24, ignore_eos=True))[0].token_ids
     app = create_app(engine, ServerConfig(model_name="m", speculative_algorithm="DSPARK", verify_mode="cap-accept",
-                                          block_size=engine.gamma))
+                                          block_size=engine.worker.gamma))
     with serve_in_thread(app) as base:
         g = httpx.post(base + "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 24, "temperature": 0,
                        "ignore_eos": True}}, timeout=60, trust_env=False).json()
@@ -474,7 +474,7 @@ def test_speculative_server_concurrent_streams_and_disconnect(tmp_path_factory):
     that disconnects mid-stream frees its slot and every KV page (target and draft caches share them)."""
     from dspark_jax.checkpoint import load_model
     from dspark_jax.engine import Engine, EngineConfig
-    from dspark_jax.spec.dspark.engine import SpeculativeConfig, SpeculativeEngine
+    from dspark_jax.spec.config import SpeculativeConfig
     from dspark_jax.sampling import SamplingParams
     from dspark_jax.tiny_model import write_tiny_model
     from dspark_jax.tokenizer import Tokenizer
@@ -484,8 +484,8 @@ def test_speculative_server_concurrent_streams_and_disconnect(tmp_path_factory):
     d = write_tiny_model(tmp_path_factory.mktemp("spec-srv64") / "m", vocab_size=300, max_position_embeddings=512)
     _, target = load_model(d)
     ec = EngineConfig(max_running_requests=16, max_prefill_tokens=128, max_model_len=256, page_size=8, precompile=False)
-    engine = SpeculativeEngine(target, Tokenizer.from_folder(d), repeat_biased_drafter(target), ec,
-                               SpeculativeConfig(mode="compact", cost_table=TABLE))
+    engine = Engine(target, Tokenizer.from_folder(d), ec, drafter=repeat_biased_drafter(target),
+                    spec=SpeculativeConfig(mode="compact", cost_table=TABLE))
     assert engine.overlap
     prompts = [[5 + i % 50, 17 + i % 7, 42, 9 + i % 11] for i in range(N_CONCURRENT)]
     max_tokens = [6 + i % 9 for i in range(N_CONCURRENT)]
@@ -493,7 +493,7 @@ def test_speculative_server_concurrent_streams_and_disconnect(tmp_path_factory):
     want = [plain.generate(p, SamplingParams(max_new_tokens=m, ignore_eos=True))[0].token_ids
             for p, m in zip(prompts, max_tokens)]
     app = create_app(engine, ServerConfig(model_name="m", speculative_algorithm="DSPARK", verify_mode="compact",
-                                          block_size=engine.gamma))
+                                          block_size=engine.worker.gamma))
     with serve_in_thread(app) as base:
         class S:
             pass
@@ -531,20 +531,14 @@ def test_speculative_server_concurrent_streams_and_disconnect(tmp_path_factory):
         assert info["memory_usage"]["kv_used_pages"] == 0 and engine.pool.num_free_pages == engine.pool.num_usable_pages
 
 
-def test_launch_checks_the_level_correction_flag(tmp_path, capsys):
-    from serving.launch import build_parser, resolve
+def test_server_args_refuse_impossible_combinations():
+    from dspark_jax.server_args import ServerArgs
 
-    ap = build_parser()
-    for argv, message in ((["--sps-level-correction", "0.2"], "--sps-table-path"),
-                          (["--sps-level-correction", "2", "--sps-table-path", "t.json"], "(0, 1]"),
-                          (["--speculative-algorithm", "MTP", "--sps-level-correction", "0.2"], "DSpark options"),
-                          (["--sps-min-gain", "-0.1"], ">= 0"),
-                          (["--speculative-algorithm", "MTP", "--sps-min-gain", "0.1"], "DSpark options"),
-                          (["--rounds-per-call", "0"], ">= 1"),
-                          (["--admit-batch", "0"], "--admit-batch must be >= 1"),
-                          (["--speculative-algorithm", "MTP", "--rounds-per-call", "2"], "DSpark options")):
-        with pytest.raises(SystemExit):
-            resolve(ap.parse_args(argv), ap)
-        assert message in capsys.readouterr().err
-    r = resolve(ap.parse_args(["--sps-level-correction", "0.2", "--sps-table-path", "t.json"]), ap)
-    assert r["algo"] == "DSPARK"
+    for kw, message in ((dict(speculative_algorithm="MTP", sps_min_gain=0.1), "DSpark options"),
+                        (dict(sps_min_gain=-0.1), ">= 0"),
+                        (dict(rounds_per_call=0), ">= 1"),
+                        (dict(speculative_algorithm="MTP", rounds_per_call=2), "DSpark options"),
+                        (dict(speculative_algorithm="DSPARK", max_running_requests=0), "--max-running-requests")):
+        with pytest.raises(ValueError, match=message):
+            ServerArgs(**kw).resolve()
+    assert ServerArgs(sps_table_path="t.json").resolve().speculative_algorithm == "DSPARK"

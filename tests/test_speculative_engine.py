@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import time
-import types
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,10 +10,11 @@ from flax import nnx
 from dspark_jax.checkpoint import load_model
 from dspark_jax.spec.dspark.config import DSparkConfig
 from dspark_jax.spec.dspark.model import DSparkDrafter
-from dspark_jax.engine import EngineConfig
-from dspark_jax.spec.dspark.engine import SpeculativeConfig, SpeculativeEngine
+from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.sampling import SamplingParams
+from dspark_jax.spec.config import SpeculativeConfig
 from dspark_jax.spec.dspark.cost_model import AdditiveCostTable
+from dspark_jax.spec.dspark.worker import round_seconds
 from dspark_jax.tokenizer import Tokenizer
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -53,9 +50,13 @@ def pair(model_dir):
 
 @pytest.fixture(scope="module")
 def plain(model_dir):
-    from dspark_jax.engine import Engine
-
     return Engine.from_pretrained(model_dir, EngineConfig(**EC))
+
+
+def dspark(pair, config=None, **spec):
+    """A DSpark engine over the test pair."""
+    target, tok, drafter = pair
+    return Engine(target, tok, config or EngineConfig(**EC), drafter=drafter, spec=SpeculativeConfig(**spec))
 
 
 def _prompts(vocab, n, seed):
@@ -73,8 +74,7 @@ TABLE = AdditiveCostTable(bias_seconds=1e-3, bs_probes=(1, 4), alpha_seconds=(0.
 def test_greedy_speculation_equals_plain_greedy(pair, plain, mode, table, rounds):
     """rounds: rounds per dispatch (rounds_per_call), each fed by the one before on the device."""
     target, tok, drafter = pair
-    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC),
-                            SpeculativeConfig(mode=mode, cost_table=table, rounds_per_call=rounds))
+    eng = dspark(pair, mode=mode, cost_table=table, rounds_per_call=rounds)
     prompts = _prompts(target.config.vocab_size, 7, seed=hash(mode) % 100)
     got = eng.generate(prompts, GREEDY)
     want = plain.generate(prompts, GREEDY)
@@ -84,8 +84,8 @@ def test_greedy_speculation_equals_plain_greedy(pair, plain, mode, table, rounds
     acc = np.asarray(eng.stats["accept_lens"])
     vl = np.asarray(eng.stats["verify_lens"])
     assert acc.max() >= 3  # real multi-token speculation happened
-    assert len(eng.stats["round_log"]) == eng.stats["rounds"] and eng._step == eng.stats["rounds"]
-    assert eng.scheduler_conf.lag == max(2, 2 * rounds)  # each round's budget from survival already read
+    assert len(eng.stats["round_log"]) == eng.stats["rounds"] and eng.worker._step == eng.stats["rounds"]
+    assert eng.worker.scheduler.lag == max(2, 2 * rounds)  # each round's budget from survival already read
     if table is None or mode == "static":
         assert (vl == drafter.config.block_size + 1).all()
         assert acc.mean() > 1.3 and acc.max() == drafter.config.block_size + 1
@@ -101,7 +101,7 @@ def test_greedy_speculation_equals_plain_greedy(pair, plain, mode, table, rounds
     assert eng.pool.num_free_pages == eng.pool.num_usable_pages
     # Rejected drafts and padding rows are dropped from the draft cache's writes, never aimed at
     # its sentinel page (where their colliding writes made the scatter slow on the GPU).
-    assert not np.asarray(eng.dcache.k[:, 0]).any() and not np.asarray(eng.dcache.v[:, 0]).any()
+    assert not np.asarray(eng.worker.dcache.k[:, 0]).any() and not np.asarray(eng.worker.dcache.v[:, 0]).any()
     summ = eng.summary()
     assert summ["rounds"] == eng.stats["rounds"] and abs(summ["accept_length"] - acc.mean()) < 1e-9
     if mode != "compact":  # uncensored labels: per-position calibration metrics are reported
@@ -110,57 +110,29 @@ def test_greedy_speculation_equals_plain_greedy(pair, plain, mode, table, rounds
         assert summ["step_time"]["predicted_mean_s"] > 0
 
 
-@pytest.mark.parametrize("mode", ["static", "compact"])
-def test_greedy_round_variant_commits_the_same_tokens(pair, plain, mode):
-    """greedy_rounds: all-greedy batches run the greedy round (no sampling work) and commit
-    plain greedy's tokens; batches that sample run the full round and commit what an engine
-    without variants commits for the same seeds."""
-    target, tok, drafter = pair
-    spec = lambda: SpeculativeConfig(mode=mode, cost_table=TABLE if mode == "compact" else None)
-    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC, precompile=False),
-                            dataclasses.replace(spec(), greedy_rounds=True))
-    ref = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC, precompile=False), spec())
-    seen, run_round = [], eng._run_round
-
-    def recording(T, S, inp, greedy=False, mode=None):
-        seen.append(greedy)
-        return run_round(T, S, inp, greedy, mode)
-
-    eng._run_round = recording
-    prompts = _prompts(target.config.vocab_size, 6, seed=31)
-    greedy = [r.token_ids for r in eng.generate(prompts, GREEDY)]
-    assert greedy == [r.token_ids for r in plain.generate(prompts, GREEDY)]
-    assert seen and all(seen)
-    mixed = [GREEDY, SamplingParams(max_new_tokens=24, temperature=0.8, top_k=50, seed=7, ignore_eos=True)] * 3
-    seen.clear()
-    assert [r.token_ids for r in eng.generate(prompts, mixed)] == [r.token_ids for r in ref.generate(prompts, mixed)]
-    assert False in seen
-
-
 def test_default_tiers_include_finer_tiers_than_the_ladder(pair):
     """A trimmed 64-request batch must drop to a smaller executable than verify-all even when its
     budget stays above half the block: the default adds tiers every 64 tokens at this size."""
-    target, tok, drafter = pair
-    G = drafter.config.block_size
-    ec = EngineConfig(**{**EC, "max_running_requests": 64, "precompile": False})
-    eng = SpeculativeEngine(target, tok, drafter, ec, SpeculativeConfig(mode="compact", cost_table=TABLE))
+    G = pair[2].config.block_size
+    eng = dspark(pair, EngineConfig(**{**EC, "max_running_requests": 64, "precompile": False}), mode="compact",
+                 cost_table=TABLE)
+    tiers = eng.worker.tiers
     top = 64 * (G + 1)
-    assert eng.tiers.tier_for(64, 64 * G) == top
-    assert eng.tiers.tier_for(64, top - 64 - 64) == top - 64  # one 64-token step below verify-all
-    assert set(range(64, top + 1, 64)) <= set(eng.tiers.tiers)
-    off = SpeculativeEngine(target, tok, drafter, ec, SpeculativeConfig(mode="compact", tier_step=0))
-    assert off.tiers.tiers == tuple(b * (G + 1) for b in off.decode_buckets)
+    assert tiers.tier_for(64, 64 * G) == top
+    assert tiers.tier_for(64, top - 64 - 64) == top - 64  # one 64-token step below verify-all
+    assert set(range(64, top + 1, 64)) <= set(tiers.tiers)
+    assert {b * (G + 1) for b in eng.decode_buckets} <= set(tiers.tiers)
 
 
 def test_requests_done_at_their_first_token_free_their_slot(pair, plain):
     """A request that finishes at prefill (max_new_tokens 1) must give its round slot back: more
     of them than there are slots, then a normal batch, all complete and match plain greedy."""
-    target, tok, drafter = pair
-    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC), SpeculativeConfig(mode="static"))
+    target = pair[0]
+    eng = dspark(pair, mode="static")
     prompts = _prompts(target.config.vocab_size, 3 * EC["max_running_requests"], seed=11)
     one = SamplingParams(max_new_tokens=1, ignore_eos=True)
     assert [r.token_ids for r in eng.generate(prompts, one)] == [r.token_ids for r in plain.generate(prompts, one)]
-    assert not eng._slot_of
+    assert sorted(eng.scheduler._free_slots) == list(range(EC["max_running_requests"]))
     assert [r.token_ids for r in eng.generate(prompts[:6], GREEDY)] == [r.token_ids for r in plain.generate(prompts[:6], GREEDY)]
 
 
@@ -170,19 +142,18 @@ def test_overlap_survives_requests_leaving_the_batch(pair, plain, mode, rounds):
     dispatched before the in-flight one is read (the leavers' rows dropped, the others fed on
     device from their rows of the in-flight round), and every output equals plain greedy.  With
     several rounds per dispatch a request also ends inside a call: its later rounds are ignored."""
-    target, tok, drafter = pair
-    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC),
-                            SpeculativeConfig(mode=mode, cost_table=TABLE, rounds_per_call=rounds))
+    target, _, drafter = pair
+    eng = dspark(pair, mode=mode, cost_table=TABLE, rounds_per_call=rounds)
     assert eng.overlap
     shrunk = []
-    dispatch = eng._dispatch_round
+    dispatch = eng.worker.dispatch
 
     def spy(reqs, prev):
         if prev is not None and len(reqs) < len(prev.reqs):
             shrunk.append((len(prev.reqs), len(reqs)))
         return dispatch(reqs, prev)
 
-    eng._dispatch_round = spy
+    eng.worker.dispatch = spy
     prompts = _prompts(target.config.vocab_size, 4, seed=21)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (6, 13, 22, 31)]
     got = eng.generate(prompts, params)
@@ -194,44 +165,32 @@ def test_overlap_survives_requests_leaving_the_batch(pair, plain, mode, rounds):
     assert eng.pool.num_free_pages == eng.pool.num_usable_pages
 
 
-@pytest.mark.parametrize("mode,behind", [("static", False), ("compact", False), ("static", True), ("compact", True)])
-def test_admissions_while_rounds_overlap(pair, plain, mode, behind):
+@pytest.mark.parametrize("mode", ["static", "compact"])
+def test_admissions_while_rounds_overlap(pair, plain, mode):
     """More requests than slots, of mixed lengths (some done at their first token, some with
-    prompts longer than a prefill chunk), admitted while rounds run overlapped; with
-    overlap_admissions (behind) each admission is prefilled behind the in-flight round and the
-    next round, starting the new requests from the prefill's tokens on the device, is dispatched
-    before anything is read.  Greedy output equals plain greedy; in static mode, sampled output
-    equals the same engine's without overlap (same seeds, same keys; compact's windows depend on
-    the batch, which overlap changes: a round dispatched before the previous one is read still
-    holds requests that ended there); nothing leaks."""
-    target, tok, drafter = pair
+    prompts longer than a prefill chunk), admitted while rounds run overlapped.  Greedy output
+    equals plain greedy; in static mode, sampled output equals the same engine's without overlap
+    (same seeds, same keys; compact's windows depend on the batch, which overlap changes); nothing
+    leaks."""
+    target = pair[0]
     V = target.config.vocab_size
     rng = np.random.default_rng(41)
     prompts = [rng.integers(3, V, size=int(n)).tolist() for n in (5, 90, 12, 3, 70, 20, 8, 33, 2, 150, 17)]
     lens = [9, 1, 17, 30, 4, 1, 12, 21, 6, 11, 25]
-    spec = SpeculativeConfig(mode=mode, cost_table=TABLE if mode == "compact" else None, overlap_admissions=behind)
-    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC), spec)
-    started, dispatch = [], eng._dispatch_round
-
-    def spy(reqs, prev, joined=None):
-        if joined is not None:
-            started.append(len(joined[1]))
-        return dispatch(reqs, prev, joined)
-
-    eng._dispatch_round = spy
+    spec = dict(mode=mode, cost_table=TABLE if mode == "compact" else None)
+    eng = dspark(pair, **spec)
     greedy = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lens]
     got = eng.generate(prompts, greedy)
     assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(prompts, greedy)]
     assert [g.finish_reason for g in got] == ["length"] * len(prompts)
-    assert (sum(started) >= 4) if behind else not started  # requests started from an unread prefill
     sampled = [SamplingParams(max_new_tokens=n, temperature=0.9, top_k=40, seed=100 + i, ignore_eos=True)
                for i, n in enumerate(lens)]
     got = eng.generate(prompts, sampled)
     assert [len(g.token_ids) for g in got] == lens
     if mode == "static":
-        serial = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC, overlap=False), spec)
+        serial = dspark(pair, EngineConfig(**EC, overlap=False), **spec)
         assert [g.token_ids for g in got] == [g.token_ids for g in serial.generate(prompts, sampled)]
-    assert not eng._slot_of and eng._inflight is None
+    assert sorted(eng.scheduler._free_slots) == list(range(EC["max_running_requests"])) and eng._inflight is None
     eng.pool.check_invariants()
     assert eng.pool.num_free_pages == eng.pool.num_usable_pages
 
@@ -239,13 +198,13 @@ def test_admissions_while_rounds_overlap(pair, plain, mode, behind):
 def test_forced_budget_verifies_exactly_that_many_drafts(pair, plain):
     """The SPS profiler's knob: every round of a bs-request batch verifies bs + min(K, bs * gamma)
     tokens, runs the tier of (bs, K), logs (bs, K, tier, seconds), and stays lossless."""
-    target, tok, drafter = pair
+    target, _, drafter = pair
     G = drafter.config.block_size
-    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC), SpeculativeConfig(mode="compact"))
+    eng = dspark(pair, mode="compact")
     prompts = _prompts(target.config.vocab_size, 3, seed=8)
     rounds_before = 0
     for K in (0, 5, 3 * G + 7):
-        eng.spec.forced_budget = K
+        eng.worker.spec.forced_budget = K
         eng.stats["round_log"].clear()
         got = eng.generate(prompts, GREEDY)
         assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(prompts, GREEDY)]
@@ -254,7 +213,7 @@ def test_forced_budget_verifies_exactly_that_many_drafts(pair, plain):
         rounds_before = eng.stats["rounds"]
         for bs, k, tier, verified, seconds, _ in log:
             assert k == min(K, bs * G) and verified == bs + k and seconds > 0
-            assert tier == eng.tiers.tier_for(bs, k)
+            assert tier == eng.worker.tiers.tier_for(bs, k)
 
 
 @pytest.mark.parametrize("rounds", [1, 2])
@@ -262,107 +221,30 @@ def test_trimmed_rounds_verify_up_to_their_tiers_capacity(pair, plain, rounds):
     """A trimmed round runs the tier of its budget, whose padding costs what verified tokens
     would: every round of the call verifies bs + min(tier - bs, bs * gamma) tokens (the top of the
     current survival), is priced at that filled budget, and greedy output is still plain greedy."""
-    target, tok, drafter = pair
+    target, _, drafter = pair
     G = drafter.config.block_size
-    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC),
-                            SpeculativeConfig(mode="compact", cost_table=TABLE, rounds_per_call=rounds))
+    eng = dspark(pair, mode="compact", cost_table=TABLE, rounds_per_call=rounds)
     prompts = _prompts(target.config.vocab_size, 6, seed=13)
     got = eng.generate(prompts, GREEDY)
     assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(prompts, GREEDY)]
     log = list(eng.stats["round_log"])
     assert any(k < bs * G for bs, k, *_ in log)  # the table made the scheduler trim
     for bs, k, tier, verified, *_ in log:
-        assert k == min(tier - bs, bs * G) and verified == bs + k and tier == eng.tiers.tier_for(bs, k)
-    np.testing.assert_allclose(eng.stats["table_step_s"], [TABLE.predict(bs, k) for bs, k, *_ in log], rtol=1e-12)
-
-
-def test_level_correction_learns_from_every_read_round_and_stays_lossless(pair, plain):
-    """With step_time_correction the scheduler's offset is the moving average of exactly the rounds
-    the engine read (replayed here from its round log), and greedy output is still plain greedy."""
-    from dspark_jax.spec.dspark.step_time_correction import StepTimeCorrection
-
-    target, tok, drafter = pair
-    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC),
-                            SpeculativeConfig(mode="compact", cost_table=TABLE, step_time_correction=0.3))
-    prompts = _prompts(target.config.vocab_size, 5, seed=11)
-    got = eng.generate(prompts, GREEDY)
-    assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(prompts, GREEDY)]
-    # per predicted round: the tokens it committed and whether it ran overlapped
-    ctx = np.asarray(eng.stats["round_context"])
-    assert len(ctx) == len(eng.stats["round_log"])  # every round here has a prediction
-    replay = {regime: StepTimeCorrection(TABLE.bs_probes, 0.3) for regime in (True, False)}
-    for (bs, k, _tier, _verified, seconds, logged), overlapped in zip(eng.stats["round_log"], ctx[:, 1]):
-        assert logged == bool(overlapped)  # the round log's regime is the context's
-        replay[bool(overlapped)].update(bs, TABLE.predict(bs, k), seconds)
-    for regime in (True, False):  # one level per regime: overlapped and synchronous rounds
-        learned = eng.scheduler_conf.corrections[regime]
-        assert learned.rounds.tolist() == replay[regime].rounds.tolist()
-        np.testing.assert_allclose(learned.residual, replay[regime].residual, rtol=1e-12)
-    assert sum(c.rounds.sum() for c in eng.scheduler_conf.corrections.values()) == eng.stats["rounds"]
-    pred, table = np.asarray(eng.stats["predicted_step_s"]), np.asarray(eng.stats["table_step_s"])
-    assert pred[0] == table[0] and np.any(pred != table)  # no offset before the first read round
-    summ = eng.summary()["step_time"]
-    assert summ["table_mean_s"] == pytest.approx(table.mean())
-    assert len(ctx) == len(pred) and ctx[:, 0].sum() == sum(len(g.token_ids) for g in got) - len(got)
-    assert not ctx[0, 1] and ctx[:, 1].any()  # the first round had nothing in flight; later ones did
-    # ... and its batch size and budget, as the round log has them
-    log = np.asarray([(bs, k) for bs, k, *_ in eng.stats["round_log"]])
-    np.testing.assert_array_equal(ctx[:, 2:], log)
+        assert k == min(tier - bs, bs * G) and verified == bs + k and tier == eng.worker.tiers.tier_for(bs, k)
+    np.testing.assert_allclose(eng.stats["predicted_step_s"], [TABLE.predict(bs, k) for bs, k, *_ in log], rtol=1e-12)
 
 
 FLAT = AdditiveCostTable(1e-3, (1, 4), (0.0, 1e-4), (1, 8, 40), (2e-4, 2e-4, 2e-4))  # flat in K
 
 
-def test_admission_batching_is_lossless_and_drains_less(pair, plain):
-    """EngineConfig.admit_batch holds freed slots until several can be admitted in one prefill
-    (each admission drains the overlapped loop): fewer prefill steps, the same greedy output."""
-    target, tok, drafter = pair
-    prompts = _prompts(target.config.vocab_size, 10, seed=31)
-    params = [dataclasses.replace(GREEDY, max_new_tokens=n) for n in (5, 9, 13, 17, 21, 6, 10, 14, 18, 22)]
-    want = [w.token_ids for w in plain.generate(prompts, params)]
-    prefills = {}
-    for batch in (1, 3):
-        eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC, admit_batch=batch),
-                                SpeculativeConfig(mode="static"))
-        real, prefills[batch] = eng._prefill, []
-        eng._prefill = lambda chunks, real=real, seen=prefills[batch]: (seen.append(len(chunks)), real(chunks))[1]
-        assert [g.token_ids for g in eng.generate(prompts, params)] == want
-    assert len(prefills[3]) < len(prefills[1]) and max(prefills[3][1:]) >= 2  # prefill steps (chunks in each)
-
-
-def test_measured_round_times_leave_out_lazy_compiles(pair, plain):
-    """Without precompiling, a batch that shrinks while a round is in flight compiles its new
-    tier's round on the host during that round; the round's measured time (what the level
-    correction learns from and predictions are checked against) leaves the compile out.  Each
-    compile here takes at least STALL seconds (padded with a sleep), far above any round."""
-    STALL = 1.5  # a round on a loaded 2-core CI runner (xdist) reached 0.26 s: keep the bound far above that
-    target, tok, drafter = pair
-    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**{**EC, "precompile": False}),
-                            SpeculativeConfig(mode="compact", cost_table=FLAT, step_time_correction=0.3))
-    compiles = []
-    real = eng._spec_jit["static", False].lower
-
-    def slow_lower(*a, **k):
-        lowered = real(*a, **k)
-        compile_ = lowered.compile
-
-        def slow_compile():
-            compiles.append(1)
-            time.sleep(STALL)
-            return compile_()
-
-        lowered.compile = slow_compile
-        return lowered
-
-    eng._spec_jit["static", False] = types.SimpleNamespace(lower=slow_lower)
-    prompts = _prompts(target.config.vocab_size, 4, seed=21)
-    params = [dataclasses.replace(GREEDY, max_new_tokens=n) for n in (6, 12, 18, 24)]  # the batch shrinks 4 -> 1
-    got = eng.generate(prompts, params)
-    assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(prompts, params)]
-    log = list(eng.stats["round_log"])
-    assert len(compiles) >= 3 and sum(ov for *_, ov in log) >= 3  # tiers compiled on first use, overlapped rounds
-    assert max(sec for *_, sec, _ in log) < STALL / 2  # no round carries a compile
-    assert len(eng.stats["measured_step_s"]) == len(log) and max(eng.stats["measured_step_s"]) < STALL / 2
+def test_round_seconds_leave_out_compiles_and_share_the_call():
+    """A call's time runs from its dispatch or the previous read, whichever came later, to its
+    read, less compiles made meanwhile (clipped to that span), split over its rounds."""
+    assert round_seconds(10.0, 9.0, 12.0, [], 1) == pytest.approx(2.0)  # synchronous: from its dispatch
+    assert round_seconds(10.0, 11.0, 12.0, [], 2) == pytest.approx(0.5)  # overlapped: from the last read
+    spans = [(9.5, 10.5), (11.0, 11.25), (12.5, 13.0)]  # partly before, inside, after the span
+    assert round_seconds(10.0, 9.0, 12.0, spans, 1) == pytest.approx(2.0 - 0.5 - 0.25)
+    assert round_seconds(10.0, 9.0, 10.5, [(9.0, 11.0)], 1) == pytest.approx(1e-9)  # never zero or negative
 
 
 @pytest.mark.parametrize("mode, table, rounds", [("compact", FLAT, 1), ("compact", FLAT, 2), ("compact", None, 1),
@@ -371,98 +253,41 @@ def test_engines_that_cannot_trim_run_static_rounds(pair, plain, mode, table, ro
     """A compact or cap-accept engine whose scheduler can never trim (no cost table, or one flat
     in K under the default guard) verifies every block without ranking or keeping survival (the
     lag ring stays empty), through the static round executables, the only ones it compiles; with
-    a table it still prices each call once, before dispatching it (the table's full-block time
-    plus the level learned from the rounds read by then), for each of its rounds.
-    Greedy output is plain greedy.  A table that prices K keeps the engine's own mode."""
-    from dspark_jax.spec.dspark.step_time_correction import StepTimeCorrection
-
-    target, tok, drafter = pair
+    a table each round is priced at the table's full-block time.  Greedy output is plain greedy.
+    A table that prices K keeps the engine's own mode."""
+    target, _, drafter = pair
     G = drafter.config.block_size
-    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC),
-                            SpeculativeConfig(mode=mode, cost_table=table, step_time_correction=0.3,
-                                              rounds_per_call=rounds))
+    eng = dspark(pair, mode=mode, cost_table=table, rounds_per_call=rounds)
     prompts = _prompts(target.config.vocab_size, 5, seed=12)
     got = eng.generate(prompts, GREEDY)
     assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(prompts, GREEDY)]
-    modes = {key[1] for key in eng._compiled if key[0] == "spec"}
+    modes = {key[1] for key in eng.worker._compiled if key[0] == "round"}
     if table is TABLE:
-        assert modes == {mode} and eng.scheduler_conf._ring
+        assert modes == {mode} and eng.worker.scheduler._ring
         return
-    assert modes == {"static"} and not eng.scheduler_conf._ring
+    assert modes == {"static"} and not eng.worker.scheduler._ring
     log = list(eng.stats["round_log"])
     assert log and all(k == bs * G and verified == bs * (G + 1) for bs, k, _tier, verified, *_ in log)
     assert eng.summary()["confidence"]  # uncensored labels: the online calibration metrics run
     if table is not None:
-        table_s = np.asarray(eng.stats["table_step_s"])
-        np.testing.assert_allclose(table_s, [table.predict(bs, bs * G) for bs, *_ in log], rtol=1e-12)
-        assert len(eng.stats["predicted_step_s"]) == len(log) and eng.scheduler_conf.corrections[True].rounds.sum() > 0
-        # Replay: a call dispatched with another in flight (overlapped) is priced before that
-        # one is read, so from the rounds of the calls before it; a synchronous one after.
-        replay = {regime: StepTimeCorrection(table.bs_probes, 0.3) for regime in (True, False)}
-        calls = [log[i:i + rounds] for i in range(0, len(log), rounds)]
-        expected = []
-        for c, call in enumerate(calls):
-            bs, k, *_, overlapped = call[0]
-            seen = calls[:c - 1] if overlapped else calls[:c]
-            level = {regime: StepTimeCorrection(table.bs_probes, 0.3) for regime in (True, False)}
-            for b, kk, _t, _v, sec, ov in (r for done in seen for r in done):
-                level[ov].update(b, table.predict(b, kk), sec)
-            expected += [max(table.predict(bs, k) + level[overlapped].offset(bs), 1e-9)] * len(call)
-            for b, kk, _t, _v, sec, ov in call:
-                replay[ov].update(b, table.predict(b, kk), sec)
-        np.testing.assert_allclose(eng.stats["predicted_step_s"], expected, rtol=1e-12)
-        for regime in (True, False):
-            np.testing.assert_allclose(eng.scheduler_conf.corrections[regime].residual, replay[regime].residual,
-                                       rtol=1e-12)
-        assert any(ov for *_, ov in log) and len({p for p in expected}) > 2  # both regimes, a moving level
+        np.testing.assert_allclose(eng.stats["predicted_step_s"], [table.predict(bs, bs * G) for bs, *_ in log],
+                                   rtol=1e-12)
 
 
 def test_compact_and_cap_accept_commit_identical_tokens(pair):
-    target, tok, drafter = pair
+    target = pair[0]
     prompts = _prompts(target.config.vocab_size, 6, seed=5)
     params = SamplingParams(max_new_tokens=20, temperature=0.9, seed=3, ignore_eos=True)
     outs = {}
     for mode in ("compact", "cap-accept"):
-        eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC), SpeculativeConfig(mode=mode, cost_table=TABLE))
-        outs[mode] = [r.token_ids for r in eng.generate(prompts, params)]
+        outs[mode] = [r.token_ids for r in dspark(pair, mode=mode, cost_table=TABLE).generate(prompts, params)]
     assert outs["compact"] == outs["cap-accept"]
 
 
-def test_block_accept_estimator_brackets_the_cap_accept_ceiling(pair):
-    """Compact with the estimator commits the same tokens as cap-accept; rows rejected inside their
-    window are exact (lo = hi = accepted + 1), censored rows lie within [w + 1, gamma + 1], and the
-    estimate brackets the exact mean ceiling cap-accept measures on the same rounds."""
-    target, tok, drafter = pair
-    G = drafter.config.block_size
-    prompts = _prompts(target.config.vocab_size, 12, seed=8)
-    params = [SamplingParams(max_new_tokens=40, temperature=0.9, seed=100 + i, ignore_eos=True) for i in range(12)]
-    # Both without overlap (the estimator turns it off): an overlapped engine dispatches a round
-    # for requests finishing in the one in flight, so its batches, hence budgets, differ.
-    cap = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC, overlap=False),
-                            SpeculativeConfig(mode="cap-accept", cost_table=TABLE))
-    est = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC),
-                            SpeculativeConfig(mode="compact", cost_table=TABLE, estimate_block_accept=True))
-    assert not est.overlap  # its probes depend on the previous round's outcome
-    est.estimator.keep_outcomes = True
-    res_cap, res_est = cap.generate(prompts, params), est.generate(prompts, params)
-    assert [r.token_ids for r in res_cap] == [r.token_ids for r in res_est]
-    outcomes = est.estimator.drain_outcomes()
-    assert outcomes and any(o.reason not in ("untrimmed", "full") for o in outcomes)  # censored rows happened
-    for o in outcomes:
-        assert o.window + 1 <= o.lo <= o.hi <= G + 1 or (o.reason in ("untrimmed", "full") and o.lo == o.hi == o.accepted + 1)
-    summ = est.summary()["ceiling_estimate"]
-    exact = float(np.mean(cap.stats["block_accept_lens"]))
-    assert summ["rows"] > 0 and summ["lo_mean"] <= summ["hi_mean"]
-    assert summ["lo_mean"] - 0.25 <= exact <= summ["hi_mean"] + 0.25, (summ, exact)
-    assert all("ceiling_estimate" in r.stats["spec"] for r in res_est)
-
-
-@pytest.mark.parametrize("mode, draft_scale, rounds", [("static", 1.0, 1), ("compact", 1.0, 1), ("static", 1.6, 1),
-                                                      ("static", 1.0, 2)])
-def test_sampled_speculation_follows_target_distribution(mode, draft_scale, rounds):
+@pytest.mark.parametrize("mode, rounds", [("static", 1), ("compact", 1), ("static", 2)])
+def test_sampled_speculation_follows_target_distribution(mode, rounds):
     """Temperature 1 on a 6-token vocabulary: the joint law of the first three generated tokens
-    (one from prefill, two from speculative rounds) matches the target's, by chi-square; also
-    with drafts sampled at 1.6x the temperature (draft_temperature_scale)."""
+    (one from prefill, two from speculative rounds) matches the target's, by chi-square."""
     import jax
 
     from dspark_jax.models.qwen3 import Qwen3ForCausalLM, forward_dense
@@ -480,10 +305,9 @@ def test_sampled_speculation_follows_target_distribution(mode, draft_scale, roun
     h = forward_dense(target, jnp.asarray(seqs), jnp.tile(jnp.arange(5), (len(seqs), 1))).hidden
     p = np.asarray(jax.nn.softmax(target.logits(h), -1), np.float64)  # [V*V, 5, V]
     joint = np.einsum("a,ab,abc->abc", p[0, 2], p[::V, 3].reshape(V, V), p[:, 4].reshape(V, V, V))
-    eng = SpeculativeEngine(target, None, drafter, EngineConfig(max_running_requests=64, max_prefill_tokens=256, max_prefill_seqs=64,
-                                                                 max_model_len=64, page_size=4),
-                            SpeculativeConfig(mode=mode, cost_table=TABLE if mode == "compact" else None,
-                                              draft_temperature_scale=draft_scale, rounds_per_call=rounds))
+    eng = dspark((target, None, drafter), EngineConfig(max_running_requests=64, max_prefill_tokens=256,
+                                                       max_prefill_seqs=64, max_model_len=64, page_size=4),
+                 mode=mode, cost_table=TABLE if mode == "compact" else None, rounds_per_call=rounds)
     n = 6000
     res = eng.generate([prompt] * n, [SamplingParams(max_new_tokens=3, temperature=1.0, seed=i, ignore_eos=True)
                                       for i in range(n)])
@@ -499,16 +323,14 @@ def test_sampled_speculation_follows_target_distribution(mode, draft_scale, roun
     assert np.mean(eng.stats["accept_lens"]) > 1.2  # drafts were really accepted along the way
 
 
-@pytest.mark.parametrize("behind, rounds", [(False, 1), (True, 1), (False, 2)])
-def test_no_compilation_after_startup(pair, caplog, behind, rounds):
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_no_compilation_after_startup(pair, caplog, rounds):
     import logging
 
     import jax
 
-    target, tok, drafter = pair
-    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC),
-                            SpeculativeConfig(mode="compact", cost_table=TABLE, overlap_admissions=behind,
-                                              rounds_per_call=rounds))
+    target = pair[0]
+    eng = dspark(pair, mode="compact", cost_table=TABLE, rounds_per_call=rounds)
     prompts = _prompts(target.config.vocab_size, 6, seed=8)
     eng.generate(prompts[:2], GREEDY)
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):
@@ -521,16 +343,15 @@ def test_sts_recording_feeds_the_calibration_cli(pair, tmp_path):
     import subprocess
     import sys
 
-    target, tok, drafter = pair
+    target, _, drafter = pair
     rec = tmp_path / "sts"
-    eng = SpeculativeEngine(target, tok, drafter, EngineConfig(**EC),
-                            SpeculativeConfig(mode="static", record_sts_dir=str(rec), record_shard_rows=16))
-    eng.set_record_group("a")
+    eng = dspark(pair, mode="static", record_sts_dir=str(rec))
+    eng.worker.set_record_group("a")
     eng.generate(_prompts(target.config.vocab_size, 6, seed=11), GREEDY)
     rows_a = eng.stats["rounds"]
-    eng.set_record_group("b")
+    eng.worker.set_record_group("b")
     eng.generate(_prompts(target.config.vocab_size, 2, seed=12), GREEDY)
-    eng.flush_records()
+    eng.worker.flush_records()
     shards = sorted(rec.glob("sts-*.npz"))
     assert shards
     data = np.load(shards[0])
@@ -552,28 +373,24 @@ def test_sts_recording_feeds_the_calibration_cli(pair, tmp_path):
 
     assert StsCalibration.load(tmp_path / "sts.json", block_size=drafter.config.block_size).block_size == 4
     with pytest.raises(ValueError, match="compact"):
-        SpeculativeEngine(target, tok, drafter, EngineConfig(**EC, precompile=False),
-                          SpeculativeConfig(mode="compact", record_sts_dir=str(rec)))
+        dspark(pair, EngineConfig(**EC, precompile=False), mode="compact", record_sts_dir=str(rec))
 
 
 def test_gpu_execution_options_commit_the_same_tokens(pair, plain, model_dir):
     """What the engines run on the GPU -- every loop unrolled (target layers, drafter layers, the
-    gamma sampling steps, the context extension; the MTP chain) and the fused norm and K/V-write
-    kernels (interpret mode here) -- commits exactly the plain engine's greedy tokens, for the
-    DSpark (with admissions behind the round in flight, its prefill unrolled) and the MTP engine."""
-    from dspark_jax.spec.mtp.engine import MTPEngine
+    gamma sampling steps, the context extension; the MTP chain) and the Pallas kernels
+    (interpret mode here) -- commits exactly the plain engine's greedy tokens, for DSpark and MTP."""
     from dspark_jax.spec.mtp.model import MTPConfig, MTPDrafter
 
     target, tok, drafter = pair
-    gpu_like = EngineConfig(**EC, unroll_decode=True, norm_backend="pallas", kv_write_backend="pallas")
+    gpu_like = EngineConfig(**EC, unroll_decode=True, kernels="pallas", precompile=False)
     prompts = _prompts(target.config.vocab_size, 5, seed=11)
     want = [r.token_ids for r in plain.generate(prompts, GREEDY)]
-    # with overlap_admissions the prefill is unrolled too (the fifth prompt is admitted mid-batch)
-    eng = SpeculativeEngine(target, tok, drafter, gpu_like,
-                            SpeculativeConfig(mode="compact", cost_table=TABLE, overlap_admissions=True))
-    assert eng.unroll_decode and (eng.norm_backend, eng.kv_write_backend) == ("pallas", "pallas")
+    eng = dspark(pair, gpu_like, mode="compact", cost_table=TABLE)
+    runner = eng.runner
+    assert runner.unroll and (runner.backend, runner.norm_backend, runner.kv_write_backend) == ("pallas",) * 3
     assert [r.token_ids for r in eng.generate(prompts, GREEDY)] == want
     assert np.asarray(eng.stats["accept_lens"]).max() >= 3
-    mtp = MTPEngine(target, tok, MTPDrafter(MTPConfig.from_target(target.config), rngs=nnx.Rngs(1)), gpu_like,
-                    num_steps=3)
+    mtp = Engine(target, tok, gpu_like, drafter=MTPDrafter(MTPConfig.from_target(target.config), rngs=nnx.Rngs(1)),
+                 spec=SpeculativeConfig(algorithm="mtp", num_steps=3))
     assert [r.token_ids for r in mtp.generate(prompts, GREEDY)] == want

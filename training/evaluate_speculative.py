@@ -30,23 +30,25 @@ import numpy as np
 
 def _engine(args):
     from dspark_jax.default_model import default_drafter_path, default_model_path, default_mtp_path
-    from dspark_jax.engine import EngineConfig
+    from dspark_jax.engine import Engine, EngineConfig
+    from dspark_jax.spec.config import SpeculativeConfig
 
     target = args.target or default_model_path()
     ec = EngineConfig(max_running_requests=args.max_running, max_model_len=args.max_prompt_tokens + args.max_new_tokens,
                       precompile=not args.lazy_compile)
     if args.algorithm == "mtp":
-        from dspark_jax.spec.mtp.engine import MTPEngine
-
-        return MTPEngine.from_pretrained(target, args.drafter or default_mtp_path(), ec)
+        return Engine.from_pretrained(target, ec, SpeculativeConfig(algorithm="mtp"),
+                                      draft_path=args.drafter or default_mtp_path())
     from dspark_jax.calibration.sts import StsCalibration
-    from dspark_jax.spec.dspark.engine import SpeculativeConfig, SpeculativeEngine
+    from dspark_jax.spec.dspark.checkpoint import CONFIG_FILE
+    from dspark_jax.spec.dspark.config import DSparkConfig
 
-    sts = StsCalibration.load(args.sts_path) if args.sts_path else None  # explicit: this measures calibration
-    spec = SpeculativeConfig(mode="static", sts=sts, record_sts_dir=args.record_sts_dir,
-                             draft_temperature_scale=args.draft_temperature_scale)
-    return SpeculativeEngine.from_pretrained(target, args.drafter or default_drafter_path(), ec, spec,
-                                             sts_from_folder=False)
+    drafter = args.drafter or default_drafter_path()
+    # Explicit, never the folder's own file: this measures calibration.
+    sts = (StsCalibration.load(args.sts_path) if args.sts_path else
+           StsCalibration.identity(DSparkConfig.from_json(Path(drafter) / CONFIG_FILE).block_size))
+    spec = SpeculativeConfig(mode="static", sts=sts, record_sts_dir=args.record_sts_dir)
+    return Engine.from_pretrained(target, ec, spec, draft_path=drafter)
 
 
 def evaluate(engine, prompts: list[dict], temperatures: list[float], max_new_tokens: int, seed: int) -> dict:
@@ -59,10 +61,10 @@ def evaluate(engine, prompts: list[dict], temperatures: list[float], max_new_tok
         per = {}
         for workload in sorted({p["workload"] for p in prompts}):
             group = [p for p in prompts if p["workload"] == workload]
-            metrics = getattr(engine, "confidence_metrics", None)
+            metrics = getattr(engine.worker, "confidence_metrics", None)
             if metrics is not None:
                 metrics.reset()
-            set_group = getattr(engine, "set_record_group", None)
+            set_group = getattr(engine.worker, "set_record_group", None)
             if set_group is not None:  # STS shards then say which workload each row came from
                 set_group(workload if len(temperatures) == 1 else f"{workload}@T={temp:g}")
             params = [SamplingParams(temperature=temp, max_new_tokens=max_new_tokens, seed=request_seed(seed, p["id"]))
@@ -96,8 +98,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
     ap.add_argument("--max-running", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--draft-temperature-scale", type=float, default=1.0,
-                    help="DSpark drafts sampled at this multiple of the request temperature (lossless)")
     ap.add_argument("--lazy-compile", action="store_true",
                     help="compile each step shape on first use instead of every tier at start-up (at --max-running "
                          "256 the start-up compile alone outlasted a 150 s budget on a fresh H200 machine)")
@@ -110,11 +110,10 @@ def main(argv: list[str] | None = None) -> dict:
     engine = _engine(args)
     prompts = [p for p in prompts if len(engine.encode_prompt(p["prompt"])) <= args.max_prompt_tokens]
     report = {"algorithm": args.algorithm, "split": args.split, "per_workload": args.per_workload,
-              "draft_temperature_scale": args.draft_temperature_scale,
               "max_new_tokens": args.max_new_tokens, "sts_path": str(args.sts_path) if args.sts_path else None,
               "results": evaluate(engine, prompts, [float(t) for t in args.temperatures.split(",")],
                                   args.max_new_tokens, args.seed)}
-    flush = getattr(engine, "flush_records", None)
+    flush = getattr(engine.worker, "flush_records", None)
     if flush is not None:
         flush()
     text = json.dumps(report, indent=1)

@@ -68,6 +68,8 @@ class Request:
         self.spec_rounds: list[tuple[int, int, int]] = []  # (accept len, window, block accept len) per round
         self.spec_extra: dict = {}  # engine-specific per-request statistics (e.g. the ceiling estimate)
         self.page_row = None  # the engine's page-table row for this request (fixed once admitted)
+        self.slot = -1  # the engine's slot index while it decodes (rows of per-slot device buffers)
+        self.slot_generation = -1  # which occupant of that slot this is
         self.t_arrival = time.perf_counter()
         self.t_first_token: float | None = None
         self.t_finish: float | None = None
@@ -83,6 +85,12 @@ class Request:
 
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def commit(self, ids) -> list[int]:
+        """Commit a decode step's or round's tokens: every one but the last is now in the cache
+        (the last is the next step's input).  Returns the ids kept (cut at a stop condition)."""
+        self.num_cached = self.total_len - 1 + len(ids)
+        return self.append_tokens(ids)
 
     def append_tokens(self, ids) -> list[int]:
         """Commit generated tokens, stopping at the first stop condition.

@@ -30,10 +30,8 @@ from dspark_jax.sampling import _filtered_logits
 
 def target_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """p per row: logits [N, V] and each row's own settings [N] -> the filtered, tempered
-    distribution [N, V] fp32.  Its top-k / top-p filter, when some row asks for one, sorts the
-    vocabulary of every row, the costliest work of a sampling round (27-31% of a batch-64
-    round's kernel time on the H200, benchmarks/results/round_profile_gpu_bs64_fbc8ba2.md), so
-    a verify step applies it to the rows it verified, front-packed, before spreading them per
+    distribution [N, V] fp32.  Its top-k / top-p filter sorts the vocabulary of every row, so a
+    verify step applies it to the rows it verified, front-packed, before spreading them per
     request: the work then shrinks with the verify budget."""
     return jax.nn.softmax(_filtered_logits(logits.astype(jnp.float32), temperature, top_k, top_p), axis=-1)
 
@@ -55,8 +53,6 @@ def verify(
     keys: jax.Array,
     *,
     commit_cap: jax.Array | None = None,
-    draft_temperature: jax.Array | None = None,
-    greedy: bool = False,
     probs: jax.Array | None = None,
 ) -> Acceptance:
     """target_logits [S, W, V] (row i after verify input i; rows >= verify_lens are ignored),
@@ -65,10 +61,6 @@ def verify(
 
     commit_cap [S] (cap-accept mode): judge all verify_lens rows but commit at most
     commit_cap - 1 drafts; block_accept then reports what full verification accepted.
-    draft_temperature [S]: the temperature the drafts were sampled at (default: the target's),
-    which q must use for the accept ratio and the residual to stay exact.
-    greedy (static): every row has temperature 0, so the exact-match rule alone, without the
-    filtered target distribution (a sort over the vocabulary per row), q or random draws.
     probs [S, W, V]: that distribution already computed (``target_probs`` of each row, e.g. on
     the packed rows of a verify step); None: computed here from target_logits."""
     S, W, V = target_logits.shape
@@ -83,16 +75,12 @@ def verify(
     def greedy_bonus(a):
         return jnp.argmax(jnp.take_along_axis(target_logits, a[:, None, None], axis=1)[:, 0], -1).astype(jnp.int32)
 
-    if greedy:
-        block_accept, a = accepted(greedy_ok)
-        return Acceptance(a.astype(jnp.int32), greedy_bonus(a), block_accept)
     greedy_row = temperature <= 0
     if probs is None:  # target distribution per row, with the request's filters (rows flattened)
         rep = lambda x: jnp.repeat(x, W)
         probs = target_probs(target_logits.reshape(S * W, V), rep(temperature), rep(top_k), rep(top_p)).reshape(S, W, V)
     p = probs
-    t_draft = temperature if draft_temperature is None else draft_temperature
-    q = jax.nn.softmax(draft_logits.astype(jnp.float32) / jnp.maximum(t_draft, 1e-6)[:, None, None], axis=-1)
+    q = jax.nn.softmax(draft_logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)[:, None, None], axis=-1)
     k_accept, k_bonus = jax.vmap(lambda k: jax.random.split(k, 2), out_axes=1)(keys)
     u = jax.vmap(lambda k: jax.random.uniform(k, (G,)))(k_accept)
 

@@ -1,8 +1,6 @@
-"""What both speculative engines (DSpark, MTP) do on the host with a verified round.
-
-Commit the accepted drafts and the bonus to the request, and record the round for the
-per-request statistics (Request.spec_rounds) and the engine's aggregate window, so the server,
-the CLI and the benchmarks report both arms with the same keys.
+"""What both speculative workers (DSpark, MTP) do on the host with a verified round: commit
+the accepted drafts and the bonus, and record the round for the per-request statistics
+(Request.spec_rounds) and the aggregate window, so every report uses the same keys.
 """
 
 from __future__ import annotations
@@ -27,9 +25,7 @@ def commit_rounds(stats: dict, reqs, drafts, num_accepted, bonus, verify_lens, b
     """Commit row i's drafts[:a_i] + bonus_i to reqs[i] (cut at a stop condition) for every request
     not already finished, and record the round; returns (request, start, committed tokens) per
     committed request.  A request's anchor is its last committed token, at position start.
-
-    The round's arrays become Python lists once (a per-element int() of numpy scalars was most of
-    the commit time at batch 64) and the statistics windows grow once per round."""
+    The round's arrays become Python lists once and the statistics windows grow once per round."""
     n = len(reqs)
     drafts, acc, bonus, win, blk = (np.asarray(x)[:n].tolist()
                                     for x in (drafts, num_accepted, bonus, verify_lens, block_accept))
@@ -39,8 +35,7 @@ def commit_rounds(stats: dict, reqs, drafts, num_accepted, bonus, verify_lens, b
             continue  # finished (or aborted) in an earlier round: this round was speculative work
         a = acc[i]
         start = r.total_len - 1
-        committed = r.append_tokens(drafts[i][:a] + [bonus[i]])
-        r.num_cached = start + a + 1
+        committed = r.commit(drafts[i][:a] + [bonus[i]])
         r.spec_rounds.append((a + 1, win[i], blk[i] + 1))
         accept_lens.append(a + 1)
         verify.append(win[i])

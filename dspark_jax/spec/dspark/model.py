@@ -223,15 +223,14 @@ class BlockSample(NamedTuple):
 
 
 def sample_block(drafter: DSparkDrafter, out_hidden, base_logits, anchor, temperature, keys,
-                 unroll: bool = False, greedy: bool = False) -> BlockSample:
+                 unroll: bool = False) -> BlockSample:
     """Left-to-right sampling of one block per sequence under lax.scan (``unroll``: the gamma
     steps as straight-line code; on the GPU an XLA while loop is driven from the host iteration
     by iteration, which a serving step at batch 1 cannot afford).
 
     out_hidden [S, gamma, d], base_logits [S, gamma, V], anchor [S], temperature [S] (0 =
     greedy), keys [S] PRNG keys (one per sequence).  Position k's previous token is the anchor
-    for k = 0, then the token just drafted; the same temperature as the target is used.
-    greedy (static): every row has temperature 0: the argmax alone, no random draws."""
+    for k = 0, then the token just drafted; the same temperature as the target is used."""
     S, G, _ = out_hidden.shape
     h_t = jnp.moveaxis(out_hidden, 1, 0)
     u_t = jnp.moveaxis(base_logits, 1, 0)
@@ -249,11 +248,8 @@ def sample_block(drafter: DSparkDrafter, out_hidden, base_logits, anchor, temper
         else:
             e, logits = None, u
         top = jnp.argmax(logits, -1).astype(jnp.int32)
-        if greedy:
-            tok = top
-        else:
-            drawn = jax.vmap(jax.random.categorical)(kk, logits / jnp.maximum(temperature, 1e-6)[:, None])
-            tok = jnp.where(temperature > 0, drawn.astype(jnp.int32), top)
+        drawn = jax.vmap(jax.random.categorical)(kk, logits / jnp.maximum(temperature, 1e-6)[:, None])
+        tok = jnp.where(temperature > 0, drawn.astype(jnp.int32), top)
         z = drafter.confidence_logits(h, e)
         return (tok, state), (tok, logits, z)
 

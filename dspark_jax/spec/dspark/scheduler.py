@@ -7,8 +7,7 @@ The decision has two parts (DSpark paper section 5.2, SGLang's planner):
    survivals of all (request, position) pairs, fresh or recycled slots counting 1 everywhere::
 
        tau(n) = R + a_1 + ... + a_n        expected committed tokens (one bonus per request)
-       T(n)   = table.predict(R, n) + c(R) predicted step seconds; c(R) the optional online
-                                           level correction (step_time_correction.py)
+       T(n)   = table.predict(R, n)      predicted step seconds
        K      = argmax over n = 0..#candidates of tau(n) / T(n)
 
    The argmax is global: tiers make the cost a staircase, so tau/T is not unimodal and a greedy
@@ -58,7 +57,6 @@ from typing import NamedTuple
 import numpy as np
 
 from dspark_jax.spec.dspark.cost_model import AdditiveCostTable
-from dspark_jax.spec.dspark.step_time_correction import StepTimeCorrection
 
 SURVIVAL_EPS = 1e-6  # lagged survivals below this are not budget candidates (as SGLang)
 
@@ -68,10 +66,9 @@ class BudgetDecision:
     budget: int  # K: verify tokens beyond the anchors, in [0, R * gamma]
     num_candidates: int  # lagged survivals >= SURVIVAL_EPS (the argmax range is 0..this)
     expected_tokens: float  # tau(K) on the lagged survival
-    predicted_step_seconds: float | None  # T(R, K), level correction included; None without a table
+    predicted_step_seconds: float | None  # T(R, K); None without a table
     predicted_tokens_per_second: float | None  # tau(K) / T(R, K)
     guard_applied: bool = False  # the min-gain guard overrode the argmax with verify-all
-    table_step_seconds: float | None = None  # T(R, K) from the table alone, without the level correction
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -103,18 +100,10 @@ def _survival_matrix(survival, block_size: int, what: str) -> np.ndarray:
 
 class ConfidenceScheduler:
     def __init__(self, block_size: int, cost_table: AdditiveCostTable | None, lag: int = 2,
-                 min_predicted_gain: float | None = None, correction_weight: float | None = None):
+                 min_predicted_gain: float | None = None):
         """block_size: gamma.  cost_table: None means verify all.  lag: steps between the
         survival a budget uses and the step it is for (>= 1; see module doc).
-        min_predicted_gain: g >= 0; trim only if predicted throughput beats verify-all by (1 + g).
-        correction_weight: learn the table's level online from measured rounds
-        (``record_step_time``; step_time_correction.py) with this moving-average weight; None: off.
-        The level is learned separately for overlapped rounds (dispatched while another round was
-        in flight: the host's work hides behind the device) and synchronous ones (the first round
-        after a drain, e.g. for a prefill: dispatch, device and read in series).  With the default
-        pair at batch 64 the two differ ~1.7x (1.4 vs 2.4 ms); one average over both missed every
-        round by ~25%, one per regime by 7-10% (replayed on
-        benchmarks/results/speculative_default_gpu_bs64_paired_8a94278.json)."""
+        min_predicted_gain: g >= 0; trim only if predicted throughput beats verify-all by (1 + g)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if lag < 1:
@@ -125,10 +114,6 @@ class ConfidenceScheduler:
         self.cost_table = cost_table
         self.lag = int(lag)
         self.min_predicted_gain = min_predicted_gain
-        # by regime: overlapped (True) or synchronous (False) rounds
-        self.corrections = ({regime: StepTimeCorrection(cost_table.bs_probes, correction_weight)
-                             for regime in (True, False)}
-                            if cost_table is not None and correction_weight is not None else None)
         # (step, slots, generations, survival [rows, gamma]) of the last lag + 1 observed steps
         self._ring: deque[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = deque(maxlen=self.lag + 1)
         self._price_cache: dict[int, tuple[np.ndarray, float, float, float]] = {}
@@ -136,37 +121,27 @@ class ConfidenceScheduler:
     @property
     def can_trim(self) -> bool:
         """Whether any decision can be a trim.  Not without a table, and not with a table flat in
-        K under a min-gain guard g > 0: tau(n) grows with n while T(R, n) + c(R) stays put, so no
-        budget's throughput beats verify-all's, let alone by 1 + g, at any batch size, whatever
-        the survival and the level correction.  (Without the guard, or with g = 0, a flat table
-        still drops the candidates below SURVIVAL_EPS.)  The engine then keeps no lag ring."""
+        K under a min-gain guard g > 0: tau(n) grows with n while T(R, n) stays put, so no
+        budget's throughput beats verify-all's by 1 + g.  The worker then keeps no lag ring."""
         g = self.min_predicted_gain
         return self.cost_table is not None and (self.cost_table.prices_budget or g is None or g <= 0)
 
-    def verify_all(self, num_rows: int, overlapped: bool = True) -> BudgetDecision:
+    def verify_all(self, num_rows: int) -> BudgetDecision:
         """What ``decide_budget`` returns when ``can_trim`` is False, without survival: verify-all
         with its predicted step time (expected tokens unknown: NaN)."""
         full = num_rows * self.block_size
         if self.cost_table is None:
             return BudgetDecision(full, full, float("nan"), None, None)
-        seconds, table_seconds = self.price(num_rows, full, overlapped)
-        return BudgetDecision(full, full, float("nan"), seconds, float("nan"), False, table_seconds)
+        return BudgetDecision(full, full, float("nan"), self.price(num_rows, full), float("nan"))
 
-    def price(self, num_rows: int, budget: int, overlapped: bool = True) -> tuple[float, float]:
-        """(predicted seconds with the level correction, the table's own) of a step of num_rows
-        requests verifying ``budget`` drafts: a budget the engine settled on after the decision
-        (e.g. rounded up to fill its token tier) is priced as it will run."""
-        table_seconds = float(self._prices(num_rows)[0][budget])
-        return max(table_seconds + self._offset(num_rows, overlapped), 1e-9), table_seconds
-
-    def _offset(self, num_rows: int, overlapped: bool) -> float:
-        """The learned level c(R) of the regime (0 without the correction)."""
-        return self.corrections[bool(overlapped)].offset(num_rows) if self.corrections is not None else 0.0
+    def price(self, num_rows: int, budget: int) -> float:
+        """Predicted seconds of a step of num_rows requests verifying ``budget`` drafts (a budget
+        settled on after the decision, e.g. filled up to its tier, is priced as it will run)."""
+        return float(self._prices(num_rows)[0][budget])
 
     # -- role 1: the batch budget -------------------------------------------------------
-    def decide_budget(self, lagged_survival, fresh_mask, overlapped: bool = True) -> BudgetDecision:
-        """K = global argmax of tau(n) / T(R, n) over n = 0..#candidates (module doc); overlapped:
-        whether the step will be dispatched with another in flight (which level correction applies).
+    def decide_budget(self, lagged_survival, fresh_mask) -> BudgetDecision:
+        """K = global argmax of tau(n) / T(R, n) over n = 0..#candidates (module doc).
 
         The min-gain guard compares the argmax with verify-all (K = R * gamma, tau over every
         candidate) and keeps verify-all unless the argmax's predicted throughput is at least
@@ -177,71 +152,52 @@ class ConfidenceScheduler:
             raise ValueError(f"fresh_mask must have shape [{s.shape[0]}], got {fresh.shape}")
         if fresh.any():
             s = np.where(fresh[:, None], 1.0, s)
-        return self._decide(s, overlapped)
+        return self._decide(s)
 
-    def decide_lagged(self, step: int, slot_generation, slots=None, overlapped: bool = True) -> BudgetDecision:
+    def decide_lagged(self, step: int, slot_generation, slots=None) -> BudgetDecision:
         """``decide_budget(*lagged(step, ...))`` without re-checking survival the ring already
-        checked when it was observed: the engine's per-round path, where every microsecond of
-        host work paces a host-bound serving loop."""
-        return self._decide(self._lagged_values(step, slot_generation, slots)[0], overlapped)
+        checked when it was observed (the worker's per-round path)."""
+        return self._decide(self._lagged_values(step, slot_generation, slots)[0])
 
-    def _decide(self, survival: np.ndarray, overlapped: bool) -> BudgetDecision:
+    def _decide(self, survival: np.ndarray) -> BudgetDecision:
         """The argmax on checked survival [R, gamma] with fresh rows already set to 1."""
         num_rows = survival.shape[0]
         full = num_rows * self.block_size
         vals = survival.ravel()
         cands = vals[vals >= SURVIVAL_EPS]
-        table = self.cost_table
-        if table is None:  # verify all: no ranking needed
+        if self.cost_table is None:  # verify all: no ranking needed
             return BudgetDecision(full, cands.size, float(num_rows + cands.sum(dtype=np.float64)), None, None)
-
-        offset = self._offset(num_rows, overlapped)
-        if self.min_predicted_gain is not None:
-            _, lo, hi, full_price = self._prices(num_rows)
-            if lo + offset > 0 and hi + offset < (lo + offset) * (1.0 + self.min_predicted_gain):
-                # No trim can pass the guard: a trim's predicted throughput is at most
-                # tau(all) / T_min <= the verify-all throughput x T_max / T_min < (1 + g) x it.
-                # (A host-paced loop prices every budget alike; skipping the ranking keeps the
-                # scheduler's host work, which that loop waits for, to the lag lookup.)
-                full_seconds = full_price + offset
-                tau_all = float(num_rows + cands.sum(dtype=np.float64))
-                return BudgetDecision(full, cands.size, tau_all, full_seconds, tau_all / full_seconds, True, full_price)
-
+        prices, lo, hi, full_price = self._prices(num_rows)
+        g = self.min_predicted_gain
+        if g is not None and hi < lo * (1.0 + g):
+            # No trim can pass the guard: a trim's predicted throughput is at most
+            # tau(all) / T_min <= the verify-all throughput x T_max / T_min < (1 + g) x it.
+            tau_all = float(num_rows + cands.sum(dtype=np.float64))
+            return BudgetDecision(full, cands.size, tau_all, full_price, tau_all / full_price, True)
         cands = cands.astype(np.float64)  # a copy, also of a float64 view of the lag ring
         cands.sort()
         tau = np.empty(cands.size + 1)
         tau[0] = num_rows
         np.add.accumulate(cands[::-1], out=tau[1:])
         tau[1:] += num_rows  # tau[n], n = 0..#cands
-        prices, _, _, full_price = self._prices(num_rows)
-        prices = prices[: cands.size + 1]  # n = 0..#candidates
-        step_seconds = np.maximum(prices + offset, 1e-9) if offset else prices
+        step_seconds = prices[: cands.size + 1]  # n = 0..#candidates
         throughput = tau / step_seconds
         k = int(np.argmax(throughput))  # first maximum: ties go to the smaller budget
-        if self.min_predicted_gain is not None and k != full:
-            full_seconds = max(full_price + offset, 1e-9)
-            full_throughput = float(tau[-1]) / full_seconds  # tau over all candidates ~ tau(full)
-            if throughput[k] < full_throughput * (1.0 + self.min_predicted_gain):
-                return BudgetDecision(full, cands.size, float(tau[-1]), full_seconds, full_throughput, True, full_price)
-        return BudgetDecision(k, cands.size, float(tau[k]), float(step_seconds[k]), float(throughput[k]),
-                              table_step_seconds=float(prices[k]))
+        if g is not None and k != full:
+            full_throughput = float(tau[-1]) / full_price  # tau over all candidates ~ tau(full)
+            if throughput[k] < full_throughput * (1.0 + g):
+                return BudgetDecision(full, cands.size, float(tau[-1]), full_price, full_throughput, True)
+        return BudgetDecision(k, cands.size, float(tau[k]), float(step_seconds[k]), float(throughput[k]))
 
     def _prices(self, num_rows: int) -> tuple[np.ndarray, float, float, float]:
         """The table's T(num_rows, n) for every budget n = 0..num_rows * gamma (floored at 1 ns),
-        its min and max, and T(num_rows, verify-all), cached by batch size: the table never
-        changes and a serving batch keeps its size for many rounds."""
+        its min and max, and T(num_rows, verify-all), cached by batch size."""
         hit = self._price_cache.get(num_rows)
         if hit is None:
-            prices = np.asarray(self.cost_table.predict(num_rows, np.arange(num_rows * self.block_size + 1)), np.float64)
-            hit = self._price_cache[num_rows] = (np.maximum(prices, 1e-9), float(prices.min()), float(prices.max()),
-                                                 float(prices[-1]))
+            prices = np.maximum(np.asarray(self.cost_table.predict(num_rows, np.arange(num_rows * self.block_size + 1)),
+                                           np.float64), 1e-9)
+            hit = self._price_cache[num_rows] = (prices, float(prices.min()), float(prices.max()), float(prices[-1]))
         return hit
-
-    def record_step_time(self, batch_size: int, budget: int, measured_seconds: float, overlapped: bool = True) -> None:
-        """Fold a read round's measured time into the online level correction of its regime (if enabled)."""
-        if self.corrections is not None:
-            # the table's T(R, K), from the batch size's cached price curve
-            self.corrections[bool(overlapped)].update(batch_size, self._prices(batch_size)[0][budget], measured_seconds)
 
     def budget(self, lagged_survival, fresh_mask) -> int:
         """K for a step: see ``decide_budget`` for the full record."""

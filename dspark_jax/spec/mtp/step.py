@@ -124,16 +124,17 @@ def extend_batch(pending: Pending, inp: MTPInputs, *, num_tokens: int, page_size
 
 
 def mtp_spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCache, dcache: KVCache,
-                  pending: Pending, inp: MTPInputs, *, num_tokens: int, page_size: int, backend: str,
-                  target_options: tuple = (), unroll: bool = False):
+                  pending: Pending, inp: MTPInputs, *, num_tokens: int, page_size: int, target_options: dict):
     """One round -> (MTPOutputs, tcache, dcache, pending).  The caches and Pending are donated.
-    target_options / unroll: as in spec/dspark/step.py.
+    target_options: the target forward's keyword options (ModelRunner.forward_options); the
+    drafter runs with the same attention backend and unrolls its loops where the target does.
 
     k (the chain length) is Pending's width - 1; num_tokens (the tier) must hold S * (k + 1)."""
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state)
     num_slots, W = pending.next_ids.shape
     k = W - 1
+    backend, unroll = target_options["backend"], not target_options["scan_layers"]
 
     # 1. Draft: extend over the carried rows, then k - 1 chain steps.
     eb, hidden = extend_batch(pending, inp, num_tokens=num_tokens, page_size=page_size)
@@ -144,7 +145,7 @@ def mtp_spec_step(target_def, drafter_def, target_state, drafter_state, tcache: 
     verify_lens = jnp.where(inp.live, W, 0).astype(jnp.int32)
     fb = front_pack(inp.anchor, chain.tokens, verify_lens, inp.start, inp.page_table, inp.num_seqs,
                     num_tokens=num_tokens, page_size=page_size)
-    out = target(tcache, fb, backend=backend, **dict(target_options))
+    out = target(tcache, fb, **target_options)
     logits = unpack_rows(out.logits, verify_lens, W)
 
     # 3. Accept.
@@ -165,8 +166,7 @@ def mtp_spec_step(target_def, drafter_def, target_state, drafter_state, tcache: 
 
 
 def mtp_prefill_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCache, dcache: KVCache,
-                     pending: Pending, batch: ForwardBatch, sampling, next_ids, final_slot, *, backend: str,
-                     target_options: tuple = (), unroll: bool = False):
+                     pending: Pending, batch: ForwardBatch, sampling, next_ids, final_slot, *, target_options: dict):
     """Target prefill of prompt chunks + drafter extend; the first token is sampled.
 
     next_ids [T]: the prompt token after each row (the host knows it, except after the last row
@@ -177,14 +177,14 @@ def mtp_prefill_step(target_def, drafter_def, target_state, drafter_state, tcach
     writes the same K/V again).  -> (tokens [S], tcache, dcache, pending)."""
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state)
-    out = target(tcache, batch, backend=backend, **dict(target_options))
+    out = target(tcache, batch, **target_options)
     tokens = sample(out.logits, *sampling)
     T, num_slots = batch.input_ids.shape[0], pending.count.shape[0]
     final = final_slot >= 0
     last = batch.logits_indices  # the last row of each sequence
     next_ids = jnp.asarray(next_ids, jnp.int32).at[jnp.where(final, last, T)].set(tokens, mode="drop")
     h = out.hidden.astype(drafter.fc.kernel[...].dtype)
-    _, dcache = drafter.paged(target, h, batch._replace(input_ids=next_ids), dcache, backend=backend)
+    _, dcache = drafter.paged(target, h, batch._replace(input_ids=next_ids), dcache, backend=target_options["backend"])
     idx = _drop_index(final_slot, final, num_slots)
     pending = Pending(pending.hidden.at[idx, 0].set(out.hidden[last].astype(pending.hidden.dtype), mode="drop"),
                       pending.next_ids.at[idx, 0].set(tokens, mode="drop"),

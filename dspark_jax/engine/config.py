@@ -1,0 +1,44 @@
+"""EngineConfig: how an engine sizes its cache, batches and compiled steps (docs/decisions.md
+holds the evidence behind each default)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_kernels.backend import BACKENDS
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    max_running_requests: int = 16  # decode slots (continuous batching)
+    max_model_len: int | None = None  # default: min(max_position_embeddings, 4096)
+    page_size: int = 16
+    num_pages: int | None = None  # default: every slot can hold max_model_len, within memory
+    kv_memory_fraction: float = 0.85  # of free device memory, when the device reports it
+    max_prefill_tokens: int = 512  # prefill chunk budget per step
+    max_prefill_seqs: int = 8
+    # Pallas kernels (attention, fused add + RMSNorm, K/V write): auto = on the GPU, else plain jnp.
+    kernels: str = "auto"
+    # Unrolled layer / drafting loops in decode steps and rounds (auto: on the GPU, where an XLA
+    # while loop is driven from the host); prefill keeps its scans.
+    unroll_decode: bool | None = None
+    dtype: str | None = None  # default: float32 on CPU, else the checkpoint's
+    # Context buckets: page tables double from this many tokens up to max_model_len (0: one
+    # bucket), so a short context runs a step shaped for it.
+    min_context_bucket: int = 8192
+    compile_cache_dir: str | None = None  # the persistent XLA cache (default ~/.cache/dspark_jax/xla)
+    precompile: bool = True  # False: compile each executable on first use
+    overlap: bool = True  # dispatch step t+1, fed on the device, before reading step t
+    seed: int = 0  # draws seeds for requests that do not bring one
+
+    def validate(self) -> None:
+        if self.max_running_requests < 1 or self.max_prefill_tokens < 1 or self.max_prefill_seqs < 1:
+            raise ValueError("max_running_requests, max_prefill_tokens and max_prefill_seqs must be >= 1")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.min_context_bucket < 0:
+            raise ValueError(f"min_context_bucket must be >= 0, got {self.min_context_bucket}")
+        if self.kernels not in BACKENDS:
+            raise ValueError(f"kernels must be one of {BACKENDS}, got {self.kernels!r}")
+        if self.dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")

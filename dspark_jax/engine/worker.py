@@ -1,0 +1,169 @@
+"""The decoding algorithm behind the engine's loop, and the plain one.
+
+The engine owns requests, admission, KV pages, slots and the loop; a worker owns the compiled
+steps of one algorithm (plain decoding, DSpark, MTP) and what they need besides the target
+(a drafter, its cache).  The protocol is small: compile, prefill prompt chunks, dispatch a
+decode step or speculative round, read it back and commit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+
+from dspark_jax.engine.flat_state import with_flat_states
+from dspark_jax.engine.model_runner import abstract, round_up
+from dspark_jax.engine.request import Request, Status
+from dspark_jax.forward_batch import ForwardBatch, build_forward_batch, shape_struct
+from dspark_jax.sampling import sample, sampling_arrays, sampling_struct
+
+
+class Worker:
+    """What the engine asks of an algorithm.  ``bind`` runs once the engine's pool and target
+    cache exist; ``lookahead`` (positions past a request's last token that one call may write)
+    is reserved with every request's KV pages."""
+
+    name = "none"
+    lookahead = 0
+    overlaps = True  # dispatch step t+1, fed on the device, before step t is read
+    stats: dict | None = None  # round statistics (speculative workers)
+
+    def kv_bytes_per_token(self, dtype) -> int:
+        """KV bytes per token the worker keeps beside the target's (a drafter's cache, sharing
+        the target's page ids)."""
+        return 0
+
+    def bind(self, engine) -> None:
+        self.engine = engine
+
+    def executables(self) -> list[tuple[str, Callable[[], object]]]:
+        """(label, compile thunk) of every executable the worker runs, for start-up."""
+        return []
+
+    def prefill(self, chunks: list[tuple[Request, int]]) -> jax.Array:
+        """Dispatch a prefill of prompt chunks; returns each chunk's sampled next token (device)."""
+        raise NotImplementedError
+
+    def dispatch(self, reqs: list[Request], prev):
+        """Dispatch a step for reqs; prev: the unread step in flight (feeds this one on the
+        device), or None."""
+        raise NotImplementedError
+
+    def feeds(self, prev, reqs: list[Request]) -> bool:
+        """Whether a step for reqs can be fed on the device by the unread step prev."""
+        return False
+
+    def read(self, inflight) -> list[tuple[Request, list[int]]]:
+        """Read a dispatched step back (the one host sync) and commit it: (request, new ids)."""
+        raise NotImplementedError
+
+    def release(self, req: Request) -> None:
+        """A request left the engine (finished or aborted)."""
+
+    def summary(self) -> dict:
+        return {}
+
+
+def prefill_batch(engine, chunks) -> tuple[ForwardBatch, tuple]:
+    """The packed prefill step of prompt chunks [(request, n)] and its sampling arrays, padded
+    to the engine's prefill bucket: every worker prefills the same way."""
+    T = round_up(sum(n for _, n in chunks), engine.prefill_buckets)
+    S = engine.prefill_seqs
+    pool = engine.pool
+    seqs = [(np.asarray(r.prompt_ids[r.num_cached: r.num_cached + n]), r.num_cached, pool.pages(r.id))
+            for r, n in chunks]
+    batch = build_forward_batch(seqs, page_size=pool.page_size, num_tokens=T, num_seqs=S,
+                                pages_per_seq=engine.pages_per_seq)
+    reqs = [r for r, _ in chunks]
+    sampling = sampling_arrays([r.params for r in reqs], [r.seed for r in reqs], [len(r.prompt_ids) for r in reqs], S)
+    return batch, sampling
+
+
+def prefill_shapes(engine) -> list[tuple[int, int]]:
+    """(tokens, sequences) of every prefill executable."""
+    return [(t, engine.prefill_seqs) for t in engine.prefill_buckets]
+
+
+@dataclasses.dataclass
+class _DecodeStep:
+    reqs: list[Request]
+    tokens: jax.Array
+
+
+class PlainWorker(Worker):
+    """One token per request per step.  Decode steps compile twice per bucket, for all-greedy
+    batches (argmax only) and batches that sample, picked on the host."""
+
+    def bind(self, engine) -> None:
+        super().bind(engine)
+        runner = engine.runner
+        self._compiled: dict = {}
+
+        def step(state, cache, batch: ForwardBatch, sampling, *, prefill: bool, variant: str):
+            model = nnx.merge(runner.graphdef, state)
+            out = model(cache, batch, **runner.forward_options(prefill))
+            return sample(out.logits, *sampling, variant=variant), out.cache
+
+        self._jit = {(prefill, variant): jax.jit(with_flat_states(
+            functools.partial(step, prefill=prefill, variant=variant), (runner.state_def,)), donate_argnums=(1,))
+            for prefill, variant in ((True, "any"), (False, "greedy"), (False, "stochastic"))}
+
+    def _shapes(self):
+        e = self.engine
+        decode = [(b, b, p, v) for b in e.decode_buckets for p in e.page_widths for v in ("greedy", "stochastic")]
+        prefill = [(t, s, e.pages_per_seq, "any") for t, s in prefill_shapes(e)]
+        return prefill + decode
+
+    def executables(self):
+        return [(f"{'prefill' if v == 'any' else 'decode'} tokens={T} seqs={S} pages={P} {v}",
+                 functools.partial(self._executable, T, S, P, v)) for T, S, P, v in self._shapes()]
+
+    def _executable(self, T: int, S: int, P: int, variant: str):
+        key = (T, S, P, variant)
+        if key not in self._compiled:
+            runner = self.engine.runner
+            prefill = variant == "any"
+            self._compiled[key] = runner.compile(self._jit[prefill, variant].lower(
+                abstract(runner.state), abstract(runner.cache), shape_struct(T, S, P, S), sampling_struct(S)))
+        return self._compiled[key]
+
+    def run(self, batch: ForwardBatch, sampling, variant: str) -> jax.Array:
+        """Dispatch one step on a packed batch (variant: "any" for prefill, "greedy" or
+        "stochastic" for decode); returns its sampled tokens, not yet read."""
+        runner = self.engine.runner
+        S, P = batch.page_table.shape
+        fn = self._executable(batch.input_ids.shape[0], S, P, variant)
+        tokens, runner.cache = fn(runner.state, runner.cache, batch, sampling)
+        return tokens
+
+    def prefill(self, chunks):
+        return self.run(*prefill_batch(self.engine, chunks), "any")
+
+    def feeds(self, prev, reqs):
+        return prev.reqs == reqs
+
+    def dispatch(self, reqs, prev):
+        """prev: the in-flight step for the same batch, whose device tokens (one ahead of the
+        host) feed this one."""
+        e = self.engine
+        ahead = 0 if prev is None else 1
+        B = round_up(len(reqs), e.decode_buckets)
+        P = e.page_width(max(r.total_len for r in reqs) + ahead)
+        seqs = [(np.asarray(r.output_ids[-1:]), r.total_len - 1 + ahead, e.pool.pages(r.id)[:P]) for r in reqs]
+        batch = build_forward_batch(seqs, page_size=e.pool.page_size, num_tokens=B, num_seqs=B, pages_per_seq=P)
+        if prev is not None:
+            batch = batch._replace(input_ids=prev.tokens)
+        sampling = sampling_arrays([r.params for r in reqs], [r.seed for r in reqs],
+                                   [r.total_len + ahead for r in reqs], B)
+        tokens = self.run(batch, sampling, "stochastic" if sampling[0].any() else "greedy")
+        tokens.copy_to_host_async()
+        return _DecodeStep(reqs, tokens)
+
+    def read(self, step):
+        tokens = np.asarray(step.tokens)
+        return [(r, r.commit([tokens[i]])) for i, r in enumerate(step.reqs) if r.status is not Status.FINISHED]

@@ -1,0 +1,191 @@
+"""ServerArgs: every user-facing option, defined once, feeding the server, the CLI and the engine.
+
+    args = ServerArgs.from_cli(argv, prog="python -m serving.launch")
+    engine = args.build_engine()
+
+Each field is one flag (``--field-name``) with one help text; the CLI (dspark_jax.generate)
+takes every field not marked ``server`` in its metadata.  ``resolve`` fills the defaults that
+depend on each other (model, drafter, algorithm) and checks combinations; ``engine_config`` and
+``speculative_config`` build what the engine takes.  Argparse is imported lazily and jax not at
+all, so ``--help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import field
+from pathlib import Path
+
+ALGORITHMS = ("NONE", "DSPARK", "MTP")
+
+
+def _opt(default=None, help: str = "", **meta):
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclasses.dataclass
+class ServerArgs:
+    # -- model and drafter ---------------------------------------------------------------------
+    model_path: str | None = _opt(help="Hugging Face Qwen3 folder (default: the embedded default model)")
+    draft_model_path: str | None = _opt(
+        help="drafter folder: a DSpark drafter, or an MTP drafter for --speculative-algorithm MTP (default with "
+             "the embedded model: its embedded drafter of that kind)")
+    speculative_algorithm: str | None = _opt(
+        help="DSPARK (block drafting), MTP (the EAGLE-style chain drafter, the baseline arm) or NONE (plain "
+             "decoding); default: the kind of --draft-model-path, DSPARK for the embedded model", choices=ALGORITHMS,
+        type=str.upper)
+    verify_mode: str = _opt("static", help="DSpark verify mode: static, compact (each request's scheduled window) "
+                                            "or cap-accept (full verify, compact's commits, the ceiling reported)",
+                            choices=("static", "compact", "cap-accept"))
+    block_size: int | None = _opt(help="DSpark block size; must equal the drafter's trained block size")
+    sps_table_path: str | None = _opt(help="additive step-cost table JSON (compact budgets; default: verify everything)")
+    sps_min_gain: float | None = _opt(help="trim only when the predicted throughput beats verify-all by this "
+                                           "fraction (default 0.04)")
+    rounds_per_call: int | None = _opt(help="DSpark rounds per dispatched executable (default 1); tokens then "
+                                            "stream that many rounds at a time")
+    sts_path: str | None = _opt(help="STS confidence calibration JSON (default: the drafter folder's sts.json, "
+                                     "else identity temperatures)")
+    record_sts_dir: str | None = _opt(help="write STS calibration data (raw confidence logits, accepted drafts) "
+                                           "here; needs --verify-mode static or cap-accept and no --sts-path")
+    mtp_steps: int | None = _opt(help="MTP chain length k (SGLang 3-1-4 is k = 3); default: the drafter folder's, "
+                                      "else 3")
+    # -- engine ----------------------------------------------------------------------------------
+    max_running_requests: int = _opt(16, help="decode slots (continuous batching)")
+    max_model_len: int | None = _opt(help="context length (default: min(model max positions, 4096))")
+    max_total_tokens: int | None = _opt(help="KV pool size in tokens (default: every slot can hold a full "
+                                             "context, within device memory)")
+    max_prefill_tokens: int = _opt(512, help="prefill chunk token budget per step")
+    page_size: int = _opt(16, help="KV page size in tokens")
+    kernels: str = _opt("auto", help="Pallas kernels: auto (on the GPU), pallas or reference (plain jnp)",
+                        choices=("auto", "pallas", "reference"))
+    dtype: str | None = _opt(help="parameter dtype (default: float32 on CPU, else the checkpoint's)",
+                             choices=("float32", "bfloat16"))
+    precompile: bool = _opt(True, help="compile every executable on first use instead of at start-up",
+                            flag="--no-precompile")
+    # -- server ----------------------------------------------------------------------------------
+    served_model_name: str | None = _opt(help="name clients pass as 'model' (default: the folder name)", server=True)
+    host: str = _opt("127.0.0.1", help="address to listen on", server=True)
+    port: int = _opt(30000, help="port to listen on", server=True)
+    shutdown_timeout: float = _opt(30.0, help="seconds in-flight requests get after SIGTERM", server=True)
+    log_level: str = _opt("info", help="logging level", server=True)
+
+    # -- command line ----------------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, *, server: bool = True) -> None:
+        """One flag per field (server-only fields only when ``server``)."""
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            if meta.get("server") and not server:
+                continue
+            flag = meta.get("flag", "--" + f.name.replace("_", "-"))
+            if f.type == "bool" or isinstance(f.default, bool):
+                parser.add_argument(flag, dest=f.name, action="store_false" if f.default else "store_true",
+                                    help=meta["help"])
+                continue
+            kind = meta.get("type") or {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+            parser.add_argument(flag, dest=f.name, default=f.default, type=kind, choices=meta.get("choices"),
+                                help=meta["help"] + (f" (default {f.default})" if f.default is not None else ""))
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> "ServerArgs":
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})
+
+    # -- resolution ----------------------------------------------------------------------------
+    def resolve(self) -> "ServerArgs":
+        """Fill the model, drafter and algorithm defaults and check every combination; raises
+        ValueError naming the flags."""
+        from dspark_jax.default_model import default_drafter_path, default_model_path, default_mtp_path
+        from dspark_jax.spec.loading import is_mtp_folder
+
+        embedded = self.model_path is None
+        model = self.model_path or str(default_model_path())
+        algo = self.speculative_algorithm
+        if algo is not None and algo not in ALGORITHMS:
+            raise ValueError(f"--speculative-algorithm must be one of {ALGORITHMS}, got {algo!r}")
+        if algo is None:
+            if self.draft_model_path:
+                algo = "MTP" if is_mtp_folder(self.draft_model_path) else "DSPARK"
+            else:
+                algo = "DSPARK" if embedded and default_drafter_path() is not None else "NONE"
+        draft = self.draft_model_path
+        if draft is None and embedded and algo != "NONE":
+            embedded_draft = default_mtp_path() if algo == "MTP" else default_drafter_path()
+            draft = str(embedded_draft) if embedded_draft else None
+        if algo != "NONE" and draft is None:
+            raise ValueError(f"--speculative-algorithm {algo} needs --draft-model-path (an embedded drafter only "
+                             "serves the embedded default model)")
+        if algo == "NONE" and self.draft_model_path:
+            raise ValueError("--draft-model-path given with --speculative-algorithm NONE")
+        dspark_only = [flag for flag, given in (
+            ("--verify-mode", self.verify_mode != "static"), ("--block-size", self.block_size is not None),
+            ("--sps-table-path", self.sps_table_path), ("--sps-min-gain", self.sps_min_gain is not None),
+            ("--rounds-per-call", self.rounds_per_call is not None), ("--sts-path", self.sts_path),
+            ("--record-sts-dir", self.record_sts_dir)) if given]
+        if algo != "DSPARK" and dspark_only:
+            raise ValueError(f"{', '.join(dspark_only)}: DSpark options, not used by --speculative-algorithm {algo}")
+        if algo != "MTP" and self.mtp_steps is not None:
+            raise ValueError("--mtp-steps needs --speculative-algorithm MTP")
+        if self.block_size is not None:
+            _check_block_size(draft, self.block_size)
+        for flag, value, low in (("--max-running-requests", self.max_running_requests, 1),
+                                 ("--max-prefill-tokens", self.max_prefill_tokens, 1), ("--page-size", self.page_size, 1),
+                                 ("--rounds-per-call", self.rounds_per_call, 1), ("--mtp-steps", self.mtp_steps, 1),
+                                 ("--max-total-tokens", self.max_total_tokens, 1), ("--max-model-len", self.max_model_len, 2),
+                                 ("--sps-min-gain", self.sps_min_gain, 0)):
+            if value is not None and not value >= low:
+                raise ValueError(f"{flag} must be >= {low}, got {value}")
+        return dataclasses.replace(self, model_path=model, draft_model_path=draft, speculative_algorithm=algo)
+
+    # -- what the engine takes -------------------------------------------------------------------
+    def engine_config(self):
+        from dspark_jax.engine.config import EngineConfig
+
+        num_pages = -(-self.max_total_tokens // self.page_size) + 1 if self.max_total_tokens else None  # + sentinel
+        return EngineConfig(max_running_requests=self.max_running_requests, max_model_len=self.max_model_len,
+                            page_size=self.page_size, num_pages=num_pages, max_prefill_tokens=self.max_prefill_tokens,
+                            kernels=self.kernels, dtype=self.dtype, precompile=self.precompile)
+
+    def speculative_config(self):
+        """The SpeculativeConfig of resolved args (None for plain decoding)."""
+        from dspark_jax.calibration.sts import StsCalibration
+        from dspark_jax.spec.config import SpeculativeConfig
+        from dspark_jax.spec.dspark.cost_model import load_cost_table
+
+        if self.speculative_algorithm == "NONE":
+            return None
+        if self.speculative_algorithm == "MTP":
+            return SpeculativeConfig(algorithm="mtp", num_steps=self.mtp_steps)
+        spec = SpeculativeConfig(mode=self.verify_mode, cost_table=load_cost_table(self.sps_table_path),
+                                 sts=StsCalibration.load(self.sts_path) if self.sts_path else None,
+                                 rounds_per_call=self.rounds_per_call or 1, record_sts_dir=self.record_sts_dir)
+        if self.sps_min_gain is not None:
+            spec.min_predicted_gain = float(self.sps_min_gain)
+        spec.validate()
+        return spec
+
+    def build_engine(self):
+        """The engine these (resolved) args describe."""
+        from dspark_jax.engine import Engine
+
+        spec = self.speculative_config()
+        return Engine.from_pretrained(self.model_path, self.engine_config(), spec,
+                                      draft_path=self.draft_model_path if spec is not None else None)
+
+    def to_json(self) -> str:
+        return json.dumps({k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()})
+
+
+def _check_block_size(draft_folder, block_size: int) -> None:
+    """--block-size must equal the drafter's trained block size (read from its config alone)."""
+    from dspark_jax.errors import CheckpointError
+    from dspark_jax.spec.dspark.checkpoint import CONFIG_FILE
+    from dspark_jax.spec.dspark.config import DSparkConfig
+
+    try:
+        trained = DSparkConfig.from_json(Path(draft_folder) / CONFIG_FILE).block_size
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(f"cannot read the drafter config in {draft_folder}: {e}") from None
+    if block_size != trained:
+        raise ValueError(f"--block-size {block_size} differs from the drafter's trained block size {trained}")

@@ -1,0 +1,103 @@
+"""What the DSpark and MTP workers share: the drafter beside the target, its paged cache, the
+per-round host arrays, packed transfers, and the round statistics."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from dspark_jax.engine.flat_state import flatten_states, with_flat_states
+from dspark_jax.engine.host_pack import HostPack, with_packed_inputs, with_packed_outputs
+from dspark_jax.engine.worker import Worker
+from dspark_jax.sampling import sampling_arrays
+from dspark_jax.spec.common.stats import new_round_stats, summarize_rounds
+from dspark_jax.spec.config import SpeculativeConfig
+
+
+class DraftWorker(Worker):
+    """A worker with a drafter: ``gamma`` drafts per round, a draft cache sharing the target's
+    page ids (row p of a request at the target's slot of p)."""
+
+    gamma: int
+
+    def __init__(self, drafter, spec: SpeculativeConfig):
+        spec.validate()
+        self.drafter = drafter
+        self.spec = spec
+
+    def bind(self, engine) -> None:
+        super().bind(engine)
+        runner = engine.runner
+        graphdef, state = nnx.split(self.drafter)
+        self.drafter_def = graphdef
+        (self.drafter_state,), (drafter_state_def,) = flatten_states(state)
+        self.state_defs = (runner.state_def, drafter_state_def)
+        self.dcache = self.allocate_draft_cache(engine.pool.num_pages, engine.pool.page_size, runner.dtype)
+        self._compiled: dict = {}
+        self._packs: dict = {}
+        self._last_arrays = None  # round_arrays' last (key, arrays)
+
+    def allocate_draft_cache(self, num_pages: int, page_size: int, dtype):
+        raise NotImplementedError
+
+    # -- compiled steps ------------------------------------------------------------------------
+    def jit_step(self, fn, *, donate: tuple[int, ...], packed_input: int | None = None, packed_output: bool = False,
+                 static: tuple[str, ...] = ()):
+        """jax.jit of ``fn(target_state, drafter_state, *rest)`` taking both states as flat leaf
+        lists; with packed_input = i, argument i is a NamedTuple passed as one int32 buffer plus
+        its device fields (engine/host_pack.py), and with packed_output the first result's host
+        fields come back as one buffer."""
+        fn = with_flat_states(fn, self.state_defs)
+        if packed_input is not None:
+            fn = with_packed_inputs(fn, index=packed_input)
+            static += ("pack",)
+        if packed_output:
+            fn = with_packed_outputs(fn)
+            static += ("out_pack",)
+        return jax.jit(fn, donate_argnums=donate, static_argnames=static)
+
+    def executable(self, key, lower):
+        """The compiled executable for key, lowering and compiling it on first use."""
+        if key not in self._compiled:
+            self._compiled[key] = self.engine.runner.compile(lower())
+        return self._compiled[key]
+
+    def pack(self, key, abstract_inputs, device_fields: tuple[str, ...] = ()) -> HostPack:
+        """The (cached) host-buffer layout of a NamedTuple of inputs or results."""
+        if key not in self._packs:
+            self._packs[key] = HostPack.of(abstract_inputs, device_fields)
+        return self._packs[key]
+
+    # -- host inputs ---------------------------------------------------------------------------
+    def round_arrays(self, reqs, S: int):
+        """Host arrays of a round for reqs padded to S rows: live mask, page tables (as wide as
+        the round's context bucket) and sampling parameters (temperature, top_k, top_p, seed).
+        A serving batch keeps its requests for many rounds: the last batch's arrays are reused."""
+        e = self.engine
+        bs = len(reqs)
+        P = e.page_width(max((r.total_len for r in reqs), default=0) + self.lookahead)
+        key = (S, P, tuple(reqs))  # the request objects themselves: ids may be reused once one ends
+        if self._last_arrays is not None and self._last_arrays[0] == key:
+            return self._last_arrays[1]
+        live = np.zeros(S, bool)
+        live[:bs] = True
+        table = np.zeros((S, P), np.int32)
+        for i, r in enumerate(reqs):
+            if r.page_row is None:  # reserved at admission: the row never changes while it runs
+                r.page_row = e.pool.page_table_row(r.id, e.pages_per_seq)
+            table[i] = r.page_row[:P]
+        temp, top_k, top_p, seed, _ = sampling_arrays([r.params for r in reqs], [r.seed for r in reqs], [0] * bs, S)
+        arrays = (live, table, temp, top_k, top_p, seed)
+        for a in arrays:
+            a.flags.writeable = False
+        self._last_arrays = (key, arrays)
+        return arrays
+
+    # -- statistics ----------------------------------------------------------------------------
+    def new_stats(self, *extra: str) -> dict:
+        self.stats = new_round_stats(*extra)
+        return self.stats
+
+    def summary(self) -> dict:
+        return {"algorithm": self.name, **summarize_rounds(self.stats, self.gamma)}

@@ -1,0 +1,329 @@
+"""DSparkWorker: DSpark rounds in static, compact or cap-accept mode, overlapped.
+
+The drafter's context cache shares the target's page tables: a context row lives at its own
+position.  Each call is one executable chosen by its token tier, a function of host scalars
+only (spec/dspark/planner.py), compiled ahead of time like the plain buckets.  A compact or
+cap-accept worker that can never trim (no cost table, or one flat in K) runs static rounds,
+which commit what a full window would.
+
+Overlap: call t+1 is dispatched before call t is read, fed on the device by call t's next
+anchors and positions (row by row: a request call t did not hold starts from the host's
+committed state).  Everything call t+1 needs from the host is known without call t: page
+tables are reserved at admission, sampling parameters are per request, and the compact budget
+comes from survival observed ``lag`` rounds back, already read by then.  A request that
+finishes in call t wasted its share of call t+1, whose output for it is ignored; its K/V
+writes stay inside its own reserved pages (the lookahead covers two calls' blocks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.calibration.metrics import ConfidenceMetricsAccumulator
+from dspark_jax.calibration.sts import StsCalibration
+from dspark_jax.engine.model_runner import abstract
+from dspark_jax.engine.request import Request, Status
+from dspark_jax.engine.worker import prefill_batch, prefill_shapes
+from dspark_jax.forward_batch import shape_struct
+from dspark_jax.kv_cache import KVCache
+from dspark_jax.sampling import sampling_struct
+from dspark_jax.spec.common.stats import commit_rounds
+from dspark_jax.spec.common.tiers import TokenTiers
+from dspark_jax.spec.common.worker import DraftWorker
+from dspark_jax.spec.dspark.planner import RoundPlan, plan_call
+from dspark_jax.spec.dspark.scheduler import BudgetDecision, ConfidenceScheduler
+from dspark_jax.spec.dspark.step import FED_FIELDS, RESULT_FIELDS, SpecInputs, SpecOutputs, prefill_step, spec_rounds
+
+
+@dataclasses.dataclass
+class _Call:
+    """A dispatched, unread call: its device outputs and the host facts needed to commit it."""
+    reqs: list[Request]
+    results: jax.Array  # the host-read results, packed into one int32 buffer
+    next_anchor: jax.Array  # [R] fed to the next call on the device, never read
+    next_start: jax.Array
+    plan: RoundPlan
+    step: int  # the call's first round
+    slots: np.ndarray
+    generations: np.ndarray
+    dispatched_at: float
+    overlapped: bool  # dispatched while another call was in flight
+
+
+class DSparkWorker(DraftWorker):
+    name = "dspark"
+
+    def __init__(self, drafter, spec):
+        super().__init__(drafter, spec)
+        self.gamma = G = drafter.config.block_size
+        self.rounds = spec.rounds_per_call
+        sts = spec.sts or StsCalibration.identity(G)
+        if sts.block_size != G:
+            raise ValueError(f"STS file has {sts.block_size} temperatures for block size {G}")
+        self.sts_temperatures = jnp.asarray(sts.temperatures, jnp.float32)
+
+    def kv_bytes_per_token(self, dtype) -> int:
+        d = self.drafter.config
+        return 2 * d.num_layers * d.num_key_value_heads * d.head_dim * jnp.dtype(dtype).itemsize
+
+    def allocate_draft_cache(self, num_pages, page_size, dtype):
+        d = self.drafter.config
+        shape = (d.num_layers, num_pages, page_size, d.num_key_value_heads, d.head_dim)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    def bind(self, engine) -> None:
+        spec, G, n = self.spec, self.gamma, self.rounds
+        # Positions past the last token a call may write: a block per round, twice that with a
+        # call in flight (it starts up to n x (G + 1) positions further on).
+        self.lookahead = (2 if engine.ec.overlap else 1) * n * (G + 1)
+        super().bind(engine)
+        # A call's last round must see survival the host has read: 2 x n rounds back overlapped.
+        lag = max(spec.lag, (2 if engine.ec.overlap else 1) * n)
+        self.scheduler = ConfidenceScheduler(G, spec.cost_table, lag=lag, min_predicted_gain=spec.min_predicted_gain)
+        priced = spec.mode != "static" and spec.cost_table is not None and spec.forced_budget is None
+        self._schedules = priced and self.scheduler.can_trim  # budgets from lagged survival (a lag ring)
+        self._prices_verify_all = priced and not self._schedules
+        top = max(engine.decode_buckets) * (G + 1)
+        self.tiers = TokenTiers(G, engine.decode_buckets, tier_step=max(64, -(-top // 8 // 64) * 64))
+        runner = engine.runner
+        self._prefill_jit = self.jit_step(functools.partial(
+            prefill_step, runner.graphdef, self.drafter_def, target_options=runner.forward_options(True)),
+            donate=(2, 3))
+        self._round_jit = {mode: self.jit_step(functools.partial(
+            spec_rounds, runner.graphdef, self.drafter_def, mode=mode, page_size=engine.pool.page_size,
+            target_options=runner.forward_options(False)),
+            donate=(2, 3), packed_input=4, packed_output=True, static=("num_tokens",))
+            for mode in ("static", "compact", "cap-accept")}
+        R = engine.ec.max_running_requests
+        self._no_feed = (jnp.zeros((R,), jnp.int32), jnp.zeros((R,), jnp.int32))
+        self._step = 0  # rounds dispatched
+        self._last_read_at = 0.0
+        self._batch_slots = None  # (the last call's requests, their slots, their generations)
+        # round_log: (batch size, budget K, tier, tokens verified, seconds, overlapped) per round
+        self.new_stats("predicted_step_s", "measured_step_s", "round_log")
+        # Online calibration of the confidence head, where labels are uncensored (full blocks).
+        self.confidence_metrics = ConfidenceMetricsAccumulator(G) if self.mode != "compact" else None
+        self._recorder = None
+        if spec.record_sts_dir:
+            from dspark_jax.calibration.recorder import StsRecorder
+
+            self._recorder = StsRecorder(spec.record_sts_dir, G)
+
+    @property
+    def mode(self) -> str:
+        """The verify mode rounds run: a worker that can never trim verifies every block, so it
+        runs (and compiles) static rounds; a forced budget (profiling) keeps the configured mode."""
+        spec = self.spec
+        return "static" if spec.mode != "static" and not self._schedules and spec.forced_budget is None else spec.mode
+
+    # -- compilation ---------------------------------------------------------------------------
+    def executables(self):
+        e = self.engine
+        out = [(f"dspark prefill tokens={T} seqs={S}", functools.partial(self._prefill_executable, T, S))
+               for T, S in prefill_shapes(e)]
+        for T in self.tiers.tiers:
+            S = min(T, e.ec.max_running_requests)
+            out += [(f"dspark {self.mode} round tokens={T} rows={S} pages={P}",
+                     functools.partial(self._round_executable, self.mode, T, S, P)) for P in e.page_widths]
+        return out
+
+    def _prefill_executable(self, T: int, S: int):
+        e = self.engine
+        lower = lambda: self._prefill_jit.lower(
+            abstract(e.runner.state), abstract(self.drafter_state), abstract(e.runner.cache), abstract(self.dcache),
+            shape_struct(T, S, e.pages_per_seq, S), sampling_struct(S))
+        return self.executable(("prefill", T, S), lower)
+
+    def _input_pack(self, S: int, P: int):
+        shapes = SpecInputs.shapes(S, P, self.engine.ec.max_running_requests, self.rounds)
+        return self.pack(("inputs", S, P), shapes, FED_FIELDS)
+
+    def _result_pack(self, S: int):
+        return self.pack(("results", S), SpecOutputs.result_shapes(self.rounds, S, self.gamma),
+                         tuple(f for f in SpecOutputs._fields if f not in RESULT_FIELDS))
+
+    def _round_executable(self, mode: str, T: int, S: int, P: int):
+        e, pack = self.engine, self._input_pack(S, P)
+        lower = lambda: self._round_jit[mode].lower(
+            abstract(e.runner.state), abstract(self.drafter_state), abstract(e.runner.cache), abstract(self.dcache),
+            pack.spec(), abstract(self._no_feed), abstract(self.sts_temperatures), num_tokens=T, pack=pack,
+            out_pack=self._result_pack(S))
+        return self.executable(("round", mode, T, S, P), lower)
+
+    # -- steps ---------------------------------------------------------------------------------
+    def prefill(self, chunks):
+        batch, samp = prefill_batch(self.engine, chunks)
+        runner = self.engine.runner
+        fn = self._prefill_executable(batch.input_ids.shape[0], batch.page_table.shape[0])
+        tokens, runner.cache, self.dcache = fn(runner.state, self.drafter_state, runner.cache, self.dcache, batch, samp)
+        return tokens
+
+    def feeds(self, prev, reqs):
+        return True  # row by row: a request the previous call did not hold starts from the host
+
+    def _decisions(self, bs: int, step: int, slots, generations) -> list:
+        """Each round's budget decision, from host facts only."""
+        spec, sched, full = self.spec, self.scheduler, bs * self.gamma
+        if self._prices_verify_all:  # a table flat in K: verify all, priced once
+            return [sched.verify_all(bs)] * self.rounds
+        if self._schedules:
+            return [sched.decide_lagged(step + j, generations, slots) for j in range(self.rounds)]
+        forced = spec.forced_budget is not None and spec.mode != "static"  # profiling (profile_sps.py)
+        K = min(spec.forced_budget, full) if forced else full
+        price = float(spec.cost_table.predict(bs, K)) if forced and spec.cost_table is not None else None
+        return [BudgetDecision(K, K, float("nan"), price, None)] * self.rounds
+
+    def dispatch(self, reqs, prev: _Call | None) -> _Call:
+        """prev: the in-flight (unread) call, whose device outputs feed the anchors and positions
+        of the requests it holds (None, and for any other request: the host's committed state,
+        which is current because no unread call holds them)."""
+        G, bs = self.gamma, len(reqs)
+        batch = tuple(reqs)  # a slot and its generation stay fixed while a request runs
+        if self._batch_slots is None or self._batch_slots[0] != batch:
+            slots = np.array([r.slot for r in reqs], np.int64)
+            self._batch_slots = (batch, slots, np.array([r.slot_generation for r in reqs], np.int64))
+        _, slots, generations = self._batch_slots
+        step, self._step = self._step, self._step + self.rounds
+        plan = plan_call(bs, self._decisions(bs, step, slots, generations), gamma=G, mode=self.mode, tiers=self.tiers,
+                         max_rows=self.engine.ec.max_running_requests, fill_tier=self._schedules,
+                         price=self.scheduler.price if self._schedules else None)
+        S = plan.rows
+        live, table, temp, top_k, top_p, seed = self.round_arrays(reqs, S)
+        fed_index = np.full(S, -1, np.int32)
+        if prev is not None and prev.reqs == reqs:  # the same batch as the call in flight: fed row by row
+            fed_index[:bs] = np.arange(bs, dtype=np.int32)
+        elif prev is not None:
+            prev_row = {id(r): i for i, r in enumerate(prev.reqs)}
+            fed_index[:bs] = [prev_row.get(id(r), -1) for r in reqs]
+        anchor, start = np.zeros(S, np.int32), np.zeros(S, np.int32)
+        host = np.flatnonzero(fed_index[:bs] < 0)
+        if host.size:  # requests no unread call holds start from the host's committed state
+            anchor[host] = [reqs[i].output_ids[-1] for i in host]
+            start[host] = [reqs[i].total_len - 1 for i in host]
+        fed = (prev.next_anchor, prev.next_start) if prev is not None else self._no_feed
+        inp = SpecInputs(anchor=anchor, start=start, page_table=table, live=live, num_seqs=np.int32(bs),
+                         budget=np.asarray(plan.budgets, np.int32), temperature=temp, top_k=top_k, top_p=top_p,
+                         seed=seed, fed_anchor=fed[0], fed_start=fed[1], fed_index=fed_index)
+        P = table.shape[1]
+        fn = self._round_executable(plan.mode, plan.tier, S, P)  # compiled before the clock starts
+        runner, pack = self.engine.runner, self._input_pack(S, P)
+        t0 = time.perf_counter()
+        results, (next_anchor, next_start), runner.cache, self.dcache = fn(
+            runner.state, self.drafter_state, runner.cache, self.dcache, pack.pack(inp), pack.device(inp),
+            self.sts_temperatures)
+        results.copy_to_host_async()
+        return _Call(reqs, results, next_anchor, next_start, plan, step, slots, generations, t0, prev is not None)
+
+    def read(self, call: _Call):
+        """Read a dispatched call (the one host sync per call) and commit its rounds in order."""
+        stacked = self._result_pack(call.plan.rows).unpack_host(jax.device_get(call.results))
+        now = time.perf_counter()
+        measured = round_seconds(call.dispatched_at, self._last_read_at, now, self.engine.runner.take_compile_spans(),
+                                 self.rounds)
+        self._last_read_at = now
+        if call.plan.predicted_s is not None:
+            self.stats["predicted_step_s"].extend([call.plan.predicted_s] * self.rounds)
+            self.stats["measured_step_s"].extend([measured] * self.rounds)
+        events = []
+        for j in range(self.rounds):
+            out = SpecOutputs(*(getattr(stacked, f)[j] for f in RESULT_FIELDS), None, None)
+            events += self._commit_round(call, j, out, measured)
+        return events
+
+    def _commit_round(self, call: _Call, j: int, out: SpecOutputs, measured: float):
+        """Round j of a read call: statistics, calibration and scheduler records, then the commit."""
+        G, bs, budget = self.gamma, len(call.reqs), call.plan.budgets[j]
+        self.stats["round_log"].append((bs, budget, call.plan.tier, int(out.verify_lens[:bs].sum()), measured,
+                                        call.overlapped))
+        # Rows of requests that finished in an earlier round ran past their end: keep them out of
+        # the calibration data (the lag ring drops them by slot generation).
+        alive = np.array([r.status is not Status.FINISHED for r in call.reqs])
+        if self.confidence_metrics is not None:
+            labels = np.arange(G)[None, :] < out.block_accept[:bs, None]
+            self.confidence_metrics.update(out.survival[:bs][alive], labels[alive])
+        if self._schedules:
+            self.scheduler.observe(call.step + j, out.survival[:bs], call.generations, slots=call.slots)
+        self.stats["rounds"] += 1
+        done = commit_rounds(self.stats, call.reqs, out.drafts, out.num_accepted, out.bonus, out.verify_lens,
+                             out.block_accept)
+        if self._recorder is not None:  # after the commit: a row knows whether its request ended here
+            final = np.array([r.status is Status.FINISHED for r in call.reqs])[alive]
+            self._recorder.add(out.confidence_logits[:bs][alive], out.block_accept[:bs][alive], final)
+        return [(r, committed) for r, _, committed in done]
+
+    # -- profiling -----------------------------------------------------------------------------
+    def time_round(self, batch_size: int, budget: int, context: int, sampling=(0.0, 0, 1.0), iters: int = 10,
+                   warmup: int = 3) -> tuple[int, float]:
+        """(tier, median seconds per round) of the compiled round alone on a steady synthetic
+        batch: batch_size requests whose anchors sit at `context`, verifying `budget` drafts
+        beyond them (the compact executable), sampling = (temperature, top_k, top_p).  Every
+        repeat overwrites the same positions, so nothing is committed.  Device time plus dispatch,
+        without the loop's host work."""
+        e = self.engine
+        T = self.tiers.tier_for(batch_size, budget)
+        S, P = min(T, e.ec.max_running_requests), e.pages_per_seq
+        owners = [("time_round", i) for i in range(batch_size)]
+        table = np.zeros((S, P), np.int32)
+        for i, owner in enumerate(owners):
+            e.pool.reserve(owner, context + self.lookahead)
+            table[i] = e.pool.page_table_row(owner, P)
+        try:
+            live = np.arange(S) < batch_size
+            temperature, top_k, top_p = sampling
+            row = lambda x, pad, dt: np.where(live, x, pad).astype(dt)
+            inp = SpecInputs(anchor=row(5, 0, np.int32), start=row(context, 0, np.int32), page_table=table, live=live,
+                             num_seqs=np.int32(batch_size), budget=np.full(self.rounds, budget, np.int32),
+                             temperature=row(temperature, 0, np.float32), top_k=row(top_k, 0, np.int32),
+                             top_p=row(top_p, 1, np.float32), seed=np.arange(S, dtype=np.uint32),
+                             fed_anchor=self._no_feed[0], fed_start=self._no_feed[1],
+                             fed_index=np.full(S, -1, np.int32))
+            fn, pack, runner = self._round_executable("compact", T, S, P), self._input_pack(S, P), e.runner
+            packed = pack.pack(inp)
+            times = []
+            for i in range(warmup + iters):
+                t0 = time.perf_counter()
+                results, _, runner.cache, self.dcache = fn(runner.state, self.drafter_state, runner.cache, self.dcache,
+                                                           packed, pack.device(inp), self.sts_temperatures)
+                jax.block_until_ready(results)
+                times.append(time.perf_counter() - t0)
+        finally:
+            for owner in owners:
+                e.pool.free(owner)
+        return T, float(np.median(times[warmup:])) / self.rounds
+
+    # -- reports -------------------------------------------------------------------------------
+    def summary(self) -> dict:
+        st = self.stats
+        out = {**super().summary(), "mode": self.spec.mode}
+        if st["predicted_step_s"]:
+            pred, meas = np.asarray(st["predicted_step_s"]), np.asarray(st["measured_step_s"])
+            out["step_time"] = {"predicted_mean_s": float(pred.mean()), "measured_mean_s": float(meas.mean()),
+                                "median_relative_error": float(np.median(np.abs(pred - meas) / meas))}
+        if self.confidence_metrics is not None and st["accept_lens"]:
+            out["confidence"] = self.confidence_metrics.summary()
+        return out
+
+    def set_record_group(self, name: str) -> None:
+        """Tag the STS rows recorded from now on with a group name (no-op when not recording)."""
+        if self._recorder is not None:
+            self._recorder.set_group(name)
+
+    def flush_records(self):
+        """Write any buffered STS calibration rows to a shard (no-op when not recording)."""
+        return self._recorder.flush() if self._recorder is not None else None
+
+
+def round_seconds(dispatched_at: float, last_read_at: float, now: float, compile_spans, rounds: int) -> float:
+    """A read call's seconds per round as the loop sees them: from its dispatch or the previous
+    read, whichever came later, to this read (overlapped: the period between reads), less the
+    time spent compiling other shapes on first use meanwhile.  The cost table is profiled on
+    this same quantity."""
+    start = max(dispatched_at, last_read_at)
+    compiling = sum(max(0.0, min(b, now) - max(a, start)) for a, b in compile_spans)
+    return max(now - start - compiling, 1e-9) / rounds

@@ -1,0 +1,160 @@
+"""MTPWorker: rounds of the MTP / EAGLE-style chain drafter (the baseline arm).
+
+Draft k tokens one after another, verify anchor + k with the target, commit the accepted prefix
+and the bonus (SGLang's "k-1-(k+1)", e.g. 3-1-4 for k = 3).  The drafter's one-layer cache
+shares the target's page ids and every request reserves k + 1 positions past its committed
+length.  Rows the target committed but the drafter has not yet read are carried on the device
+per request slot between rounds (spec/mtp/step.py Pending).  Verification is always static, so
+a round's executable depends only on the batch size: one per tier bs * (k + 1) of the ladder.
+Rounds are synchronous: the next round's drafting needs this round's kept rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.engine.model_runner import abstract
+from dspark_jax.engine.request import Request
+from dspark_jax.engine.worker import prefill_batch, prefill_shapes
+from dspark_jax.forward_batch import shape_struct
+from dspark_jax.sampling import sampling_struct
+from dspark_jax.spec.common.stats import commit_rounds
+from dspark_jax.spec.common.tiers import TokenTiers
+from dspark_jax.spec.common.worker import DraftWorker
+from dspark_jax.spec.mtp.model import allocate_mtp_cache
+from dspark_jax.spec.mtp.step import MTPInputs, MTPOutputs, allocate_pending, mtp_prefill_step, mtp_spec_step
+
+
+@dataclasses.dataclass
+class _Round:
+    reqs: list[Request]
+    results: jax.Array
+    rows: int
+
+
+class MTPWorker(DraftWorker):
+    name = "mtp"
+    overlaps = False
+
+    def __init__(self, drafter, spec):
+        super().__init__(drafter, spec)
+        self.gamma = self.num_steps = k = spec.num_steps or 3
+        self.lookahead = k + 1
+
+    def kv_bytes_per_token(self, dtype) -> int:
+        d = self.drafter.config
+        return 2 * d.num_key_value_heads * d.head_dim * jnp.dtype(dtype).itemsize  # one layer
+
+    def allocate_draft_cache(self, num_pages, page_size, dtype):
+        return allocate_mtp_cache(self.drafter.config, num_pages, page_size, dtype)
+
+    def bind(self, engine) -> None:
+        self.drafter.config.check_target(engine.config)
+        super().bind(engine)
+        runner, k = engine.runner, self.num_steps
+        self.tiers = TokenTiers(k, engine.decode_buckets)
+        self.pending = allocate_pending(engine.ec.max_running_requests, k, engine.config.hidden_size, runner.dtype)
+        self._prefill_jit = self.jit_step(functools.partial(
+            mtp_prefill_step, runner.graphdef, self.drafter_def, target_options=runner.forward_options(True)),
+            donate=(2, 3, 4))
+        self._round_jit = self.jit_step(functools.partial(
+            mtp_spec_step, runner.graphdef, self.drafter_def, page_size=engine.pool.page_size,
+            target_options=runner.forward_options(False)),
+            donate=(2, 3, 4), packed_input=5, packed_output=True, static=("num_tokens",))
+        self.new_stats()
+
+    # -- compilation ---------------------------------------------------------------------------
+    def _round_shape(self, batch_size: int) -> tuple[int, int]:
+        """(tokens, request rows) of a round: the tier bs * (k + 1) of the ladder bucket."""
+        T = self.tiers.round_up(batch_size * (self.num_steps + 1))
+        return T, T // (self.num_steps + 1)
+
+    def executables(self):
+        e = self.engine
+        out = [(f"mtp prefill tokens={T} seqs={S}", functools.partial(self._prefill_executable, T, S))
+               for T, S in prefill_shapes(e)]
+        for b in e.decode_buckets:
+            T, S = self._round_shape(b)
+            out += [(f"mtp round tokens={T} rows={S} pages={P}", functools.partial(self._round_executable, T, S, P))
+                    for P in e.page_widths]
+        return out
+
+    def _caches(self):
+        return self.engine.runner.cache, self.dcache, self.pending
+
+    def _prefill_executable(self, T: int, S: int):
+        e = self.engine
+        lower = lambda: self._prefill_jit.lower(
+            abstract(e.runner.state), abstract(self.drafter_state), *abstract(self._caches()),
+            shape_struct(T, S, e.pages_per_seq, S), sampling_struct(S), jax.ShapeDtypeStruct((T,), np.int32),
+            jax.ShapeDtypeStruct((S,), np.int32))
+        return self.executable(("prefill", T, S), lower)
+
+    def _inputs(self, S: int, P: int) -> MTPInputs:
+        s, i32 = jax.ShapeDtypeStruct, np.int32
+        return MTPInputs(anchor=s((S,), i32), start=s((S,), i32), page_table=s((S, P), i32),
+                         live=s((S,), np.bool_), num_seqs=s((), i32), slot=s((S,), i32),
+                         temperature=s((S,), np.float32), top_k=s((S,), i32), top_p=s((S,), np.float32),
+                         seed=s((S,), np.uint32))
+
+    def _results_pack(self, S: int):
+        s, i32, k = jax.ShapeDtypeStruct, np.int32, self.num_steps
+        return self.pack(("results", S), MTPOutputs(drafts=s((S, k), i32), num_accepted=s((S,), i32),
+                                                    bonus=s((S,), i32), verify_lens=s((S,), i32),
+                                                    block_accept=s((S,), i32)))
+
+    def _round_executable(self, T: int, S: int, P: int):
+        e = self.engine
+        pack = self.pack(("inputs", S, P), self._inputs(S, P))
+        lower = lambda: self._round_jit.lower(
+            abstract(e.runner.state), abstract(self.drafter_state), *abstract(self._caches()), pack.spec(), (),
+            num_tokens=T, pack=pack, out_pack=self._results_pack(S))
+        return self.executable(("round", T, S, P), lower)
+
+    # -- steps ---------------------------------------------------------------------------------
+    def prefill(self, chunks):
+        batch, samp = prefill_batch(self.engine, chunks)
+        T, S = batch.input_ids.shape[0], batch.page_table.shape[0]
+        next_ids = np.zeros(T, np.int32)  # the prompt token after each row (the sampled one is filled in on device)
+        final_slot = np.full(S, -1, np.int32)
+        t = 0
+        for i, (r, n) in enumerate(chunks):
+            nxt = r.prompt_ids[r.num_cached + 1: r.num_cached + n + 1]
+            next_ids[t: t + len(nxt)] = nxt
+            if r.num_cached + n == len(r.prompt_ids):
+                final_slot[i] = r.slot
+            t += n
+        runner = self.engine.runner
+        tokens, runner.cache, self.dcache, self.pending = self._prefill_executable(T, S)(
+            runner.state, self.drafter_state, *self._caches(), batch, samp, next_ids, final_slot)
+        return tokens
+
+    def dispatch(self, reqs, prev):
+        bs = len(reqs)
+        T, S = self._round_shape(bs)
+        live, table, temp, top_k, top_p, seed = self.round_arrays(reqs, S)
+        column = lambda values: np.concatenate([np.asarray(values, np.int32), np.zeros(S - bs, np.int32)])
+        inp = MTPInputs(anchor=column([r.output_ids[-1] for r in reqs]), start=column([r.total_len - 1 for r in reqs]),
+                        page_table=table, live=live, num_seqs=np.int32(bs), slot=column([r.slot for r in reqs]),
+                        temperature=temp, top_k=top_k, top_p=top_p, seed=seed)
+        P = table.shape[1]
+        runner = self.engine.runner
+        results, _, runner.cache, self.dcache, self.pending = self._round_executable(T, S, P)(
+            runner.state, self.drafter_state, *self._caches(), self.pack(("inputs", S, P), inp).pack(inp), ())
+        return _Round(reqs, results, S)
+
+    def read(self, rnd: _Round):
+        out = self._results_pack(rnd.rows).unpack_host(jax.device_get(rnd.results))
+        self.stats["rounds"] += 1
+        done = commit_rounds(self.stats, rnd.reqs, out.drafts, out.num_accepted, out.bonus, out.verify_lens,
+                             out.block_accept)
+        return [(r, committed) for r, _, committed in done]
+
+    def summary(self) -> dict:
+        return {**super().summary(), "num_steps": self.num_steps}
+
