@@ -3,7 +3,7 @@
 A speculative round of the embedded default pair is bound by kernel launches on the GPU host,
 not by its math: its optimized H200 HLO at 9cab8e4 held 213 fusions, 19 Triton calls and a
 6-iteration while loop, and the call dispatching it took ~1.06 ms with its inputs already on the
-device, ~4.3 us a launch (benchmarks/results/session_2026-12-02_s10_summary.md).  Cutting
+device, ~4.3 us a launch (docs/decisions.md, "Packed host inputs").  Cutting
 launches is then the lever, and this module counts them from ``compiled.as_text()`` without
 running anything, so a change can be judged by the count before the device measures it.
 

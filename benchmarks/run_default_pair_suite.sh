@@ -14,10 +14,6 @@
 #            BENCH_ARGS adds options, TABLE names a cost table other than the sps stage's)
 #   fp32     the equality check again in fp32 with exact matmuls at batch 8 / 64 (no timing claims):
 #            tells bf16 rounding (a near-tie flipping) from an algorithmic difference
-#   dispatch what the call dispatching one round costs on the host, and how much pre-placed inputs
-#            would save (benchmarks/profile_dispatch.py)
-#   host     cProfile of the engine's host loop at batch 64 on held-out math prompts
-#            (benchmarks/profile_host_round.py)
 #   kernel   verify / decode cost ratio of the attention kernel's options (whatever time is left)
 #
 # Results land in $OUT (default runs/default-pair-suite), packed into default-pair-suite.tgz (PACK=0:
@@ -39,7 +35,7 @@ TABLE=${TABLE:-$OUT/sps_table_gpu.table.json}
 
 # Stages that read the corpus fail at once when it is missing (carry it: the device copies only
 # what git tracks, plus the paths named in carry), not after the stages before them have run.
-if grep -qwE 'sts|tau|bench|fp32|host' <<< "$STAGES" && [ ! -f "$CORPUS/manifest.json" ]; then
+if grep -qwE 'sts|tau|bench|fp32' <<< "$STAGES" && [ ! -f "$CORPUS/manifest.json" ]; then
   echo "no corpus at $CORPUS (manifest.json missing): build it with python -m training.corpus.build and carry it" >&2
   exit 2
 fi
@@ -89,17 +85,6 @@ for stage in $STAGES; do
           --arms none,static,compact,mtp --batch-sizes 8 64 --repeats 1 --dtype float32 --matmul-precision highest \
           --lazy-compile --tag _fp32_highest --out-dir "$OUT" > "$OUT/bench_fp32.log" 2>&1 || echo "fp32 check cut short or failed"
       tail -n 20 "$OUT/bench_fp32.log"
-      ;;
-    dispatch)
-      # ~190 s on a fresh H200 machine (compiling the prefill and the batch-64 round): 150 s cut it at e24605b
-      timeout 240 "$PYTHON" benchmarks/profile_dispatch.py --batch-size 64 --out-dir "$OUT" > "$OUT/dispatch.log" 2>&1 \
-          || echo "dispatch profile failed"
-      tail -n 8 "$OUT/dispatch.log"
-      ;;
-    host)
-      timeout $(( $(left) - 5 )) "$PYTHON" benchmarks/profile_host_round.py --batch-size 64 --mode compact --corpus "$CORPUS" \
-          --workload math --out-dir "$OUT" > "$OUT/host.log" 2>&1 || echo "host profile failed"
-      head -n 45 "$OUT/host.log"
       ;;
     kernel)
       t=$(( $(left) - 5 ))

@@ -24,8 +24,8 @@ Block of anchor a, block size G, k = 0..G-1:
                   sample with an end-of-sequence id: its previous token is that EOS, nothing
                   drafted after it can ever be committed, so its confidence label is 0.  Without
                   it the head never sees a position past a response's end, and at inference it is
-                  over-confident exactly there (the final rounds of the CPU STS recording:
-                  10-35% ECE after STS, benchmarks/results/session_2026-12-01_summary.md).
+                  over-confident exactly there (the final rounds of a CPU STS recording:
+                  10-35% ECE after STS, benchmarks/results/sts_by_workload_cpu_7da1746_fit.txt).
 
 Indices past the end of the row are clamped; their eval_mask is 0, so they never count.
 """
