@@ -6,6 +6,9 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST
 GET /health, GET /metrics, GET /server_info.  Every error is an OpenAI-style body
 {"error": {"message", "type", "param", "code"}}, logged at WARNING, and touches no other request.
 A client that disconnects aborts its request (slot and KV pages are freed at once).
+
+If the engine itself fails (engine.step() raises), every request in flight gets a 500, /health
+answers 503 with the cause, and `on_fatal(error)` is called so the process can exit non-zero.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import dataclasses
 import logging
 import threading
 import time
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -22,7 +26,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark_jax.errors import InvalidRequestError
 from serving.chat import ChatTemplateError, render_chat
-from serving.engine_loop import EngineLoop, RequestStream
+from serving.engine_loop import (
+    EngineDeadError, EngineLoop, RequestFailedError, RequestStream, ServerStoppingError, describe,
+)
 from serving.metrics import ServerMetrics
 from serving.protocol import (
     SSE_DONE, ApiError, ParsedRequest, now, parse_chat, parse_completion, parse_generate, parse_json_body,
@@ -75,14 +81,28 @@ class TextDeltas:
 
 
 class ServerState:
-    def __init__(self, engine, cfg: ServerConfig):
+    """Everything the endpoints share.  `on_fatal(error)`, if set, is called once from the engine
+    thread after a fatal engine error, once every request in flight has been answered; by then
+    `fatal_error` holds the error and `fatal_event` is set."""
+
+    def __init__(self, engine, cfg: ServerConfig, on_fatal: Callable[[BaseException], None] | None = None):
         self.engine = engine
         self.cfg = cfg
         self.metrics = ServerMetrics(cfg.model_name, speculative=cfg.speculative_algorithm != "NONE")
-        self.loop = EngineLoop(engine, self.metrics)
+        self.on_fatal = on_fatal
+        self.fatal_error: BaseException | None = None
+        self.fatal_event = threading.Event()
+        self.loop = EngineLoop(engine, self.metrics, on_fatal=self._fatal)
         self.draining = False
         self.started = time.time()
         self._drain_timer: threading.Timer | None = None
+
+    def _fatal(self, err: BaseException) -> None:
+        self.fatal_error = err
+        self.fatal_event.set()
+        log.critical("engine failed (%s): the server cannot serve any more requests", describe(err))
+        if self.on_fatal is not None:
+            self.on_fatal(err)
 
     def begin_drain(self, timeout: float | None = None) -> None:
         """Stop taking new requests; abort whatever still runs after `timeout` seconds."""
@@ -100,6 +120,19 @@ class ServerState:
         return self.engine.max_model_len
 
 
+def api_error_of(exc: BaseException) -> ApiError:
+    """An engine-loop error event -> the HTTP error it means."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return ApiError(str(exc))
+    if isinstance(exc, ServerStoppingError):
+        return ApiError(str(exc), status=503, type="unavailable")
+    if isinstance(exc, (EngineDeadError, RequestFailedError)):
+        return ApiError(str(exc), status=500, type="internal_error")
+    return ApiError(f"internal error: {describe(exc)}", status=500, type="internal_error")
+
+
 def _error_response(state: ServerState | None, err: ApiError, request: Request | None = None) -> JSONResponse:
     where = f"{request.method} {request.url.path}" if request is not None else ""
     log.warning("%s -> %d: %s", where, err.status, err.message)
@@ -108,15 +141,16 @@ def _error_response(state: ServerState | None, err: ApiError, request: Request |
     return JSONResponse(err.body(), status_code=err.status)
 
 
-def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
+def create_app(engine, cfg: ServerConfig | None = None, *,
+               on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
     cfg = cfg or ServerConfig()
-    state = ServerState(engine, cfg)
+    state = ServerState(engine, cfg, on_fatal)
 
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
     async def lifespan(app):
-        if not state.loop._thread.is_alive() and not state.loop._thread.ident:
+        if not state.loop.thread.is_alive() and not state.loop.thread.ident:
             state.loop.start()
         yield
         state.draining = True
@@ -151,6 +185,9 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
         return parse_json_body(await request.body())
 
     async def start(prompt, params, prefix: str) -> tuple[RequestStream, dict]:
+        if state.loop.error is not None:
+            raise ApiError(f"the engine failed ({describe(state.loop.error)}); the server must be restarted",
+                           status=503, type="unavailable")
         if state.draining:
             raise ApiError("the server is shutting down", status=503, type="unavailable")
         stream = state.loop.submit(prompt, params, asyncio.get_running_loop(), prefix)
@@ -160,9 +197,10 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
             state.loop.abort(stream.id)
             raise
         if ev[0] == "error":
-            if isinstance(ev[1], InvalidRequestError):
-                raise ApiError(str(ev[1]), param="prompt" if "prompt" in str(ev[1]) else None)
-            raise ApiError(str(ev[1]), status=503, type="unavailable")
+            err = api_error_of(ev[1])
+            if isinstance(ev[1], InvalidRequestError) and "prompt" in str(ev[1]):
+                err.param = "prompt"
+            raise err
         return stream, ev[1]
 
     async def run_to_end(request: Request, stream: RequestStream):
@@ -182,6 +220,8 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
                 ev = await stream.get()
                 if ev[0] == "done":
                     return ev[1]
+                if ev[0] == "error":
+                    raise api_error_of(ev[1])
         finally:
             watcher.cancel()
             if not stream.finished:
@@ -199,6 +239,8 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
                 elif ev[0] == "done":
                     yield deltas.final(ev[1].text), [], ev[1]
                     return
+                elif ev[0] == "error":
+                    raise api_error_of(ev[1])
         finally:
             if not stream.finished:  # client went away (task cancelled) or generator closed early
                 log.info("stream %s closed by the client: aborting", stream.id)
@@ -209,8 +251,23 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
             return {"sglext": {"spec_tokens_details": spec_fields(result)}}
         return {}
 
-    def sse_response(gen) -> StreamingResponse:
-        return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def sse_response(request: Request, gen) -> StreamingResponse:
+        async def guarded():
+            # After the 200 has gone out, an error ends the stream with an OpenAI-style error event.
+            try:
+                async for chunk in gen:
+                    yield chunk
+            except Exception as exc:  # noqa: BLE001 - this stream only
+                e = exc if isinstance(exc, ApiError) else ApiError(f"internal error: {describe(exc)}", status=500,
+                                                                    type="internal_error")
+                if not isinstance(exc, ApiError):
+                    log.exception("internal error in the %s stream", request.url.path)
+                log.warning("%s %s -> %d mid-stream: %s", request.method, request.url.path, e.status, e.message[:500])
+                state.metrics.http_errors.labels(status=str(e.status)).inc()
+                yield sse(e.body())
+                yield SSE_DONE
+
+        return StreamingResponse(guarded(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     # -- OpenAI -------------------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -241,7 +298,7 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
                                    **spec_ext(parsed, r)})
             yield SSE_DONE
 
-        return sse_response(gen())
+        return sse_response(request, gen())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -279,7 +336,7 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
                                **spec_ext(parsed, r)})
             yield SSE_DONE
 
-        return sse_response(gen())
+        return sse_response(request, gen())
 
     @app.get("/v1/models")
     async def models():
@@ -316,12 +373,14 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
                            "meta_info": meta_info(stream.id, r, info["prompt_tokens"], len(ids), r.finish_reason if r else None)})
             yield SSE_DONE
 
-        return sse_response(gen())
+        return sse_response(request, gen())
 
     @app.get("/health")
     async def health():
         if not state.loop.alive:
-            return JSONResponse({"status": "engine not running", "error": repr(state.loop.error)}, status_code=503)
+            err = state.loop.error
+            return JSONResponse({"status": "engine failed" if err is not None else "engine not running",
+                                 "error": describe(err) if err is not None else None}, status_code=503)
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
