@@ -138,7 +138,7 @@ def _error_response(state: ServerState | None, err: ApiError, request: Request |
     log.warning("%s -> %d: %s", where, err.status, err.message)
     if state is not None:
         state.metrics.http_errors.labels(status=str(err.status)).inc()
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 def create_app(engine, cfg: ServerConfig | None = None, *,
@@ -167,7 +167,7 @@ def create_app(engine, cfg: ServerConfig | None = None, *,
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        return _error_response(state, ApiError(str(exc.detail), status=exc.status_code,
+        return _error_response(state, ApiError(str(exc.detail), status=exc.status_code, headers=exc.headers,
                                                type="not_found_error" if exc.status_code == 404 else "invalid_request_error"), request)
 
     @app.exception_handler(Exception)

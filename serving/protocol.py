@@ -24,10 +24,11 @@ from serving.chat import ROLES
 
 class ApiError(Exception):
     def __init__(self, message: str, *, status: int = 400, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | int | None = None):
+                 type: str = "invalid_request_error", code: str | int | None = None, headers: dict | None = None):
         super().__init__(message)
         self.message, self.status, self.param, self.type = message, status, param, type
         self.code = code if code is not None else status
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
