@@ -29,10 +29,10 @@ from serving.chat import ChatTemplateError, render_chat
 from serving.engine_loop import (
     EngineDeadError, EngineLoop, RequestFailedError, RequestStream, ServerStoppingError, describe,
 )
+from serving.jsonbody import parse_json_body, read_body
 from serving.metrics import ServerMetrics
 from serving.protocol import (
-    SSE_DONE, ApiError, ParsedRequest, now, parse_chat, parse_completion, parse_generate, parse_json_body,
-    spec_fields, sse, usage,
+    SSE_DONE, ApiError, ParsedRequest, now, parse_chat, parse_completion, parse_generate, spec_fields, sse, usage,
 )
 
 log = logging.getLogger("serving")
@@ -47,6 +47,7 @@ class ServerConfig:
     verify_mode: str | None = None
     block_size: int | None = None
     shutdown_timeout: float = 30.0  # SIGTERM: how long in-flight requests may run before abort
+    max_body_bytes: int = 4 << 20  # larger request bodies get a 413
     extra: dict = dataclasses.field(default_factory=dict)  # more fields for /server_info
 
 
@@ -182,7 +183,7 @@ def create_app(engine, cfg: ServerConfig | None = None, *,
                            status=404, param="model", type="invalid_request_error", code="model_not_found")
 
     async def body_of(request: Request) -> dict:
-        return parse_json_body(await request.body())
+        return parse_json_body(await read_body(request, cfg.max_body_bytes))
 
     async def start(prompt, params, prefix: str) -> tuple[RequestStream, dict]:
         if state.loop.error is not None:

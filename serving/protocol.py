@@ -31,21 +31,9 @@ class ApiError(Exception):
         self.headers = headers
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def parse_json_body(raw: bytes) -> dict:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ApiError(f"request body is not valid UTF-8 ({e})") from None
-    try:
-        body = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ApiError(f"request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise ApiError("request body must be a JSON object")
-    return body
+        # A message may quote request text: never let a lone surrogate break the response itself.
+        clean = lambda s: s.encode("utf-8", "backslashreplace").decode("utf-8") if isinstance(s, str) else s
+        return {"error": {"message": clean(self.message), "type": self.type, "param": clean(self.param), "code": self.code}}
 
 
 _MISSING = object()
