@@ -7,6 +7,10 @@ GET /health, GET /metrics, GET /server_info.  Every error is an OpenAI-style bod
 {"error": {"message", "type", "param", "code"}}, logged at WARNING, and touches no other request.
 A client that disconnects aborts its request (slot and KV pages are freed at once).
 
+Chat rendering and tokenization run on a small thread pool, and the engine thread receives
+token ids: nothing a client sends is interpreted on that thread, so a huge or hostile prompt
+cannot stall or kill it.
+
 If the engine itself fails (engine.step() raises), every request in flight gets a 500, /health
 answers 503 with the cause, and `on_fatal(error)` is called so the process can exit non-zero.
 """
@@ -18,6 +22,7 @@ import dataclasses
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from fastapi import FastAPI, Request
@@ -36,6 +41,8 @@ from serving.protocol import (
 )
 
 log = logging.getLogger("serving")
+
+TOKENIZE_WORKERS = 2  # chat rendering + tokenization, off the event loop and off the engine thread
 
 
 @dataclasses.dataclass
@@ -94,6 +101,7 @@ class ServerState:
         self.fatal_error: BaseException | None = None
         self.fatal_event = threading.Event()
         self.loop = EngineLoop(engine, self.metrics, on_fatal=self._fatal)
+        self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_WORKERS, thread_name_prefix="dspark-tokenize")
         self.draining = False
         self.started = time.time()
         self._drain_timer: threading.Timer | None = None
@@ -158,6 +166,7 @@ def create_app(engine, cfg: ServerConfig | None = None, *,
         state.loop.stop()
         if state._drain_timer:
             state._drain_timer.cancel()
+        state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="dspark-jax", lifespan=lifespan)
     app.state.server = state
@@ -185,23 +194,33 @@ def create_app(engine, cfg: ServerConfig | None = None, *,
     async def body_of(request: Request) -> dict:
         return parse_json_body(await read_body(request, cfg.max_body_bytes))
 
-    async def start(prompt, params, prefix: str) -> tuple[RequestStream, dict]:
+    async def off_thread(fn, *args, param: str | None):
+        """Run prompt rendering / tokenization on the tokenize pool; its errors are this request's."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, fn, *args)
+        except InvalidRequestError as e:
+            raise ApiError(str(e), param=param) from None
+        except ChatTemplateError as e:
+            raise ApiError(str(e), param="messages") from None
+        except Exception as e:  # noqa: BLE001 - fails this request only
+            log.exception("preparing the prompt failed")
+            raise ApiError(f"internal error while tokenizing the prompt: {describe(e)}", status=500,
+                           type="internal_error") from None
+
+    async def start(ids: list[int], params, prefix: str) -> tuple[RequestStream, dict]:
         if state.loop.error is not None:
             raise ApiError(f"the engine failed ({describe(state.loop.error)}); the server must be restarted",
                            status=503, type="unavailable")
         if state.draining:
             raise ApiError("the server is shutting down", status=503, type="unavailable")
-        stream = state.loop.submit(prompt, params, asyncio.get_running_loop(), prefix)
+        stream = state.loop.submit(ids, params, asyncio.get_running_loop(), prefix)
         try:
             ev = await stream.get()
         except asyncio.CancelledError:  # client gone before the engine took the request
             state.loop.abort(stream.id)
             raise
         if ev[0] == "error":
-            err = api_error_of(ev[1])
-            if isinstance(ev[1], InvalidRequestError) and "prompt" in str(ev[1]):
-                err.param = "prompt"
-            raise err
+            raise api_error_of(ev[1])
         return stream, ev[1]
 
     async def run_to_end(request: Request, stream: RequestStream):
@@ -275,7 +294,8 @@ def create_app(engine, cfg: ServerConfig | None = None, *,
     async def completions(request: Request):
         parsed = parse_completion(await body_of(request), max_model_len=state.max_model_len)
         check_model(parsed.model)
-        stream, info = await start(parsed.prompt, parsed.params, "cmpl")
+        ids = await off_thread(engine.encode_prompt, parsed.prompt, param="prompt")
+        stream, info = await start(ids, parsed.params, "cmpl")
         created, model = now(), cfg.model_name
         if not parsed.stream:
             r = await run_to_end(request, stream)
@@ -301,16 +321,17 @@ def create_app(engine, cfg: ServerConfig | None = None, *,
 
         return sse_response(request, gen())
 
+    def chat_prompt_ids(messages: list[dict]) -> list[int]:  # tokenize pool
+        tok = engine.tokenizer
+        prompt = render_chat(messages, getattr(tok, "chat_template", None), **_special_tokens(tok))
+        return engine.encode_prompt(prompt)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         messages, parsed = parse_chat(await body_of(request), max_model_len=state.max_model_len)
         check_model(parsed.model)
-        tok = engine.tokenizer
-        try:
-            prompt = render_chat(messages, getattr(tok, "chat_template", None), **_special_tokens(tok))
-        except ChatTemplateError as e:
-            raise ApiError(str(e), param="messages") from None
-        stream, info = await start(prompt, parsed.params, "chatcmpl")
+        ids = await off_thread(chat_prompt_ids, messages, param="messages")
+        stream, info = await start(ids, parsed.params, "chatcmpl")
         created, model = now(), cfg.model_name
         if not parsed.stream:
             r = await run_to_end(request, stream)
@@ -357,7 +378,9 @@ def create_app(engine, cfg: ServerConfig | None = None, *,
     @app.post("/generate")
     async def generate(request: Request):
         parsed = parse_generate(await body_of(request), max_model_len=state.max_model_len)
-        stream, info = await start(parsed.prompt, parsed.params, "gen")
+        ids = await off_thread(engine.encode_prompt, parsed.prompt,
+                               param="text" if isinstance(parsed.prompt, str) else "input_ids")
+        stream, info = await start(ids, parsed.params, "gen")
         if not parsed.stream:
             r = await run_to_end(request, stream)
             return {"text": r.text, "output_ids": r.token_ids,
