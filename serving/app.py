@@ -1,16 +1,15 @@
 """The FastAPI application: OpenAI-compatible and SGLang-style endpoints over an EngineLoop.
 
-    app = create_app(engine, ServerConfig(model_name="m"))
+    app = create_app(engine, ServerConfig(model_name="m"), on_fatal=callback)
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /generate,
 GET /health, GET /metrics, GET /server_info.  Every error is an OpenAI-style body
 {"error": {"message", "type", "param", "code"}}, logged at WARNING, and touches no other request.
 A client that disconnects aborts its request (slot and KV pages are freed at once).
 
-Chat rendering and tokenization run on a small thread pool, and the engine thread receives
-token ids: nothing a client sends is interpreted on that thread, so a huge or hostile prompt
-cannot stall or kill it.
-
+A request is read within `max_body_bytes` (413), parsed within fixed bounds (serving/jsonbody.py),
+validated (serving/protocol.py), rendered and tokenized on a small thread pool, and only then
+handed to the engine thread as token ids: nothing a client sends is interpreted on that thread.
 If the engine itself fails (engine.step() raises), every request in flight gets a 500, /health
 answers 503 with the cause, and `on_fatal(error)` is called so the process can exit non-zero.
 """
@@ -23,9 +22,12 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from typing import Callable
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -37,7 +39,9 @@ from serving.engine_loop import (
 from serving.jsonbody import parse_json_body, read_body
 from serving.metrics import ServerMetrics
 from serving.protocol import (
-    SSE_DONE, ApiError, ParsedRequest, now, parse_chat, parse_completion, parse_generate, spec_fields, sse, usage,
+    REQUEST_MODELS, SSE_DONE, ApiError, ChatCompletionRequest, CompletionRequest, GenerateRequest, Limits,
+    ParsedRequest, api_error_from_validation, now, parse_chat, parse_completion, parse_generate, short, spec_fields,
+    sse, usage,
 )
 
 log = logging.getLogger("serving")
@@ -55,6 +59,9 @@ class ServerConfig:
     block_size: int | None = None
     shutdown_timeout: float = 30.0  # SIGTERM: how long in-flight requests may run before abort
     max_body_bytes: int = 4 << 20  # larger request bodies get a 413
+    default_chat_max_tokens: int = 1024  # chat without max_tokens: this, capped by the context left
+    max_stop_strings: int = 16  # per request
+    max_stop_chars: int = 256  # per stop string
     extra: dict = dataclasses.field(default_factory=dict)  # more fields for /server_info
 
 
@@ -128,6 +135,10 @@ class ServerState:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    def limits(self) -> Limits:
+        return Limits(max_model_len=self.engine.max_model_len, vocab_size=self.engine.config.vocab_size,
+                      max_stop_strings=self.cfg.max_stop_strings, max_stop_chars=self.cfg.max_stop_chars)
+
 
 def api_error_of(exc: BaseException) -> ApiError:
     """An engine-loop error event -> the HTTP error it means."""
@@ -144,18 +155,21 @@ def api_error_of(exc: BaseException) -> ApiError:
 
 def _error_response(state: ServerState | None, err: ApiError, request: Request | None = None) -> JSONResponse:
     where = f"{request.method} {request.url.path}" if request is not None else ""
-    log.warning("%s -> %d: %s", where, err.status, err.message)
+    log.warning("%s -> %d: %s", where, err.status, err.message[:500])
     if state is not None:
         state.metrics.http_errors.labels(status=str(err.status)).inc()
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def _body_schema(model) -> dict:
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
 def create_app(engine, cfg: ServerConfig | None = None, *,
                on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
     cfg = cfg or ServerConfig()
     state = ServerState(engine, cfg, on_fatal)
-
-    from contextlib import asynccontextmanager
 
     @asynccontextmanager
     async def lifespan(app):
@@ -171,9 +185,29 @@ def create_app(engine, cfg: ServerConfig | None = None, *,
     app = FastAPI(title="dspark-jax", lifespan=lifespan)
     app.state.server = state
 
+    def openapi() -> dict:
+        """FastAPI's schema plus the request models (bodies are parsed by hand, within bounds)."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            comps = schema.setdefault("components", {}).setdefault("schemas", {})
+            for m in REQUEST_MODELS:
+                js = m.model_json_schema(ref_template="#/components/schemas/{model}")
+                comps.update(js.pop("$defs", {}))
+                comps[m.__name__] = js
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
         return _error_response(state, exc, request)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        errors = [{**e, "loc": tuple(e["loc"])[1:] if e["loc"] and e["loc"][0] == "body" else tuple(e["loc"])}
+                  for e in exc.errors()]
+        return _error_response(state, api_error_from_validation(errors), request)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -183,15 +217,23 @@ def create_app(engine, cfg: ServerConfig | None = None, *,
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         log.exception("internal error on %s", request.url.path)
-        return _error_response(state, ApiError(f"internal error: {exc}", status=500, type="internal_error"), request)
+        return _error_response(state, ApiError(f"internal error: {describe(exc)}", status=500, type="internal_error"), request)
 
     # -- helpers ------------------------------------------------------------------------------
+    def check_serving() -> None:
+        if state.loop.error is not None:
+            raise ApiError(f"the engine failed ({describe(state.loop.error)}); the server must be restarted",
+                           status=503, type="unavailable")
+        if state.draining:
+            raise ApiError("the server is shutting down", status=503, type="unavailable")
+
     def check_model(model: str | None) -> None:
         if model is not None and model not in (cfg.model_name, cfg.model_path):
-            raise ApiError(f"model {model!r} is not served here; GET /v1/models lists {cfg.model_name!r}",
+            raise ApiError(f"model {short(model)} is not served here; GET /v1/models lists {short(cfg.model_name)}",
                            status=404, param="model", type="invalid_request_error", code="model_not_found")
 
     async def body_of(request: Request) -> dict:
+        check_serving()
         return parse_json_body(await read_body(request, cfg.max_body_bytes))
 
     async def off_thread(fn, *args, param: str | None):
@@ -208,11 +250,7 @@ def create_app(engine, cfg: ServerConfig | None = None, *,
                            type="internal_error") from None
 
     async def start(ids: list[int], params, prefix: str) -> tuple[RequestStream, dict]:
-        if state.loop.error is not None:
-            raise ApiError(f"the engine failed ({describe(state.loop.error)}); the server must be restarted",
-                           status=503, type="unavailable")
-        if state.draining:
-            raise ApiError("the server is shutting down", status=503, type="unavailable")
+        check_serving()
         stream = state.loop.submit(ids, params, asyncio.get_running_loop(), prefix)
         try:
             ev = await stream.get()
@@ -290,9 +328,9 @@ def create_app(engine, cfg: ServerConfig | None = None, *,
         return StreamingResponse(guarded(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     # -- OpenAI -------------------------------------------------------------------------------
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request):
-        parsed = parse_completion(await body_of(request), max_model_len=state.max_model_len)
+        parsed = parse_completion(await body_of(request), state.limits())
         check_model(parsed.model)
         ids = await off_thread(engine.encode_prompt, parsed.prompt, param="prompt")
         stream, info = await start(ids, parsed.params, "cmpl")
@@ -326,12 +364,16 @@ def create_app(engine, cfg: ServerConfig | None = None, *,
         prompt = render_chat(messages, getattr(tok, "chat_template", None), **_special_tokens(tok))
         return engine.encode_prompt(prompt)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request):
-        messages, parsed = parse_chat(await body_of(request), max_model_len=state.max_model_len)
+        parsed = parse_chat(await body_of(request), state.limits(), cfg.default_chat_max_tokens)
         check_model(parsed.model)
-        ids = await off_thread(chat_prompt_ids, messages, param="messages")
-        stream, info = await start(ids, parsed.params, "chatcmpl")
+        ids = await off_thread(chat_prompt_ids, parsed.messages, param="messages")
+        params = parsed.params
+        if not parsed.max_tokens_given:  # the default, within the context the prompt leaves
+            params = dataclasses.replace(params, max_new_tokens=max(1, min(params.max_new_tokens,
+                                                                           state.max_model_len - len(ids))))
+        stream, info = await start(ids, params, "chatcmpl")
         created, model = now(), cfg.model_name
         if not parsed.stream:
             r = await run_to_end(request, stream)
@@ -375,9 +417,9 @@ def create_app(engine, cfg: ServerConfig | None = None, *,
             m["e2e_latency"] = r.stats.get("latency_s")
         return m
 
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=_body_schema(GenerateRequest))
     async def generate(request: Request):
-        parsed = parse_generate(await body_of(request), max_model_len=state.max_model_len)
+        parsed = parse_generate(await body_of(request), state.limits())
         ids = await off_thread(engine.encode_prompt, parsed.prompt,
                                param="text" if isinstance(parsed.prompt, str) else "input_ids")
         stream, info = await start(ids, parsed.params, "gen")
