@@ -361,9 +361,9 @@ def _sampling(r, lim: Limits, max_new_tokens: int, seed) -> SamplingParams:
 
 def _openai_common(r: _OpenAIFields, lim: Limits, max_new_tokens: int) -> dict:
     _refuse_unimplemented(r)
-    return dict(params=_sampling(r, lim, max_new_tokens, r.seed), stream=bool(r.stream),
-                include_usage=bool(r.stream_options and r.stream_options.include_usage),
-                spec_details=bool(r.return_spec_tokens_details), model=r.model)
+    return {"params": _sampling(r, lim, max_new_tokens, r.seed), "stream": bool(r.stream),
+            "include_usage": bool(r.stream_options and r.stream_options.include_usage),
+            "spec_details": bool(r.return_spec_tokens_details), "model": r.model}
 
 
 def parse_completion(body: dict, lim: Limits) -> ParsedRequest:
