@@ -1,17 +1,27 @@
 """The engine thread: the one thread that owns the (not thread-safe) Engine.
 
 The HTTP event loop talks to it only through a thread-safe command queue (submit, abort,
-abort-all, stop).  Each submitted request gets a `RequestStream`: an asyncio queue on the HTTP
-loop that the engine thread feeds with `loop.call_soon_threadsafe`.  Events, in order:
+abort-all, stop).  Requests arrive validated and tokenized: the engine thread never tokenizes.
+Each submitted request gets a `RequestStream`: an asyncio queue on the HTTP loop that the engine
+thread feeds with `loop.call_soon_threadsafe`.  Events, in order:
 
-    ("accepted", {"prompt_tokens": n})   the engine validated and queued the request
-    ("error", InvalidRequestError)       it did not (nothing else follows)
+    ("accepted", {"prompt_tokens": n})   the engine queued the request
     ("delta", new_ids, text_so_far)      tokens committed by one engine step
     ("done", GenerationResult)           finished (stop, length or abort); nothing follows
+    ("error", exception)                 failed; nothing follows.  InvalidRequestError: the engine
+                                         refused it (400); RequestFailedError: handling this request
+                                         raised (500, other requests carry on); EngineDeadError:
+                                         engine.step() raised (500, every request fails);
+                                         ServerStoppingError: the loop had stopped (503)
 
-Between commands the thread runs `engine.step()` while there is work (continuous batching: the
-engine admits queued requests as slots and KV pages free up) and publishes a `snapshot` dict
+Every stream gets exactly one final event, whatever breaks.  Between commands the thread runs
+`engine.step()` while there is work (continuous batching) and publishes a `snapshot` dict
 (running/queued counts, KV usage, throughput) that the HTTP side reads without locking.
+
+Faults: an exception while handling one request's command or events fails that request only
+(the engine is asked to abort it).  An exception from `engine.step()` (or the engine's own
+bookkeeping between steps) means the engine is dead: every in-flight and queued request fails,
+`error` is set, the thread ends and `on_fatal(error)` is called once.
 """
 
 from __future__ import annotations
@@ -28,6 +38,22 @@ from dspark_jax.errors import InvalidRequestError
 from dspark_jax.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+class RequestFailedError(RuntimeError):
+    """Handling one request raised; the engine and other requests are unaffected."""
+
+
+class EngineDeadError(RuntimeError):
+    """engine.step() raised: the engine can serve nothing more until the process restarts."""
+
+
+class ServerStoppingError(RuntimeError):
+    """The engine loop had stopped before the request could be queued."""
+
+
+def describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
 
 
 class RequestStream:
@@ -53,17 +79,21 @@ class RequestStream:
 
 
 class EngineLoop:
-    def __init__(self, engine, metrics=None, *, throughput_window_s: float = 2.0):
+    def __init__(self, engine, metrics=None, *, on_fatal=None, throughput_window_s: float = 2.0):
         self.engine = engine
         self.metrics = metrics
+        self.on_fatal = on_fatal  # called once, on the engine thread, after a fatal engine error
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
         self._stopped = threading.Event()
+        self._closed = False  # no more commands are read: guarded by _lock with the queue
+        self._lock = threading.Lock()
         self.error: BaseException | None = None
         self._window = throughput_window_s
         self._recent: collections.deque = collections.deque()  # (time, tokens) for throughput
         self._spec_seen = 0
+        self._observe_failures = 0
         self.total_steps = 0
         self.snapshot: dict = {}
         self._publish()
@@ -76,12 +106,18 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    def submit(self, prompt, params: SamplingParams, loop: asyncio.AbstractEventLoop, prefix: str = "req") -> RequestStream:
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop,
+               prefix: str = "req") -> RequestStream:
         stream = RequestStream(f"{prefix}-{uuid.uuid4().hex[:24]}", loop)
-        if not self.alive:
-            stream.push(("error", RuntimeError("the engine thread is not running")))
-        else:
-            self._commands.put(("add", stream, prompt, params))
+        with self._lock:
+            if not self._closed:
+                self._commands.put(("add", stream, prompt_ids, params))
+                return stream
+        stream.push(("error", self._closed_error()))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -96,6 +132,11 @@ class EngineLoop:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def _closed_error(self) -> Exception:
+        if self.error is not None:
+            return EngineDeadError(f"the engine failed and stopped ({describe(self.error)}); the server must be restarted")
+        return ServerStoppingError("the engine loop has stopped: the server is shutting down")
+
     # -- engine thread --------------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -107,20 +148,40 @@ class EngineLoop:
                     self._step()
                 self._publish()
         except BaseException as e:  # noqa: BLE001 - a dead engine must not hang clients
-            log.exception("engine thread crashed")
+            log.critical("the engine failed; failing every request and stopping (%s)", describe(e), exc_info=True)
             self.error = e
-        finally:
-            for rid, stream in list(self._streams.items()):
-                try:
-                    self._abort(rid)
-                except Exception:  # noqa: BLE001 - the engine may be what broke: still release the client
-                    log.exception("aborting %s failed", rid)
-                    self._streams.pop(rid, None)
-                    stream.push(("error", RuntimeError("the engine stopped")))
+        self._close()
+        if self.error is not None and self.on_fatal is not None:
             try:
-                self._publish()
+                self.on_fatal(self.error)
             except Exception:  # noqa: BLE001
-                pass
+                log.exception("on_fatal hook failed")
+
+    def _close(self) -> None:
+        """Answer every stream still waiting: queued commands and in-flight requests."""
+        with self._lock:
+            self._closed = True
+        pending = []
+        while True:
+            try:
+                pending.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        for cmd in pending:
+            if cmd[0] == "add":
+                cmd[1].push(("error", self._closed_error()))
+        if self.error is not None:  # the engine is broken: do not call it again
+            err = EngineDeadError(f"the engine failed while serving this request: {describe(self.error)}")
+            for stream in self._streams.values():
+                stream.push(("error", err))
+            self._streams.clear()
+        else:
+            for rid in list(self._streams):
+                self._guarded(rid, self._abort, rid)
+        try:
+            self._publish()
+        except Exception:  # noqa: BLE001
+            pass
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -129,6 +190,8 @@ class EngineLoop:
             return
         while True:
             self._handle(cmd)
+            if self._stopped.is_set():
+                return
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
@@ -137,29 +200,53 @@ class EngineLoop:
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, stream, prompt, params = cmd
-            try:
-                self.engine.add_request(prompt, params, request_id=stream.id)
-            except InvalidRequestError as e:
-                stream.push(("error", e))
-                return
-            req = self._request(stream.id)
-            self._streams[stream.id] = stream
-            stream.push(("accepted", {"prompt_tokens": len(req.prompt_ids) if req else None}))
+            self._add(cmd[1], cmd[2], cmd[3])
         elif kind == "abort":
-            self._abort(cmd[1])
+            self._guarded(cmd[1], self._abort, cmd[1])
         elif kind == "abort_all":
             for rid in list(self._streams):
-                self._abort(rid)
+                self._guarded(rid, self._abort, rid)
         elif kind == "stop":
             self._stopped.set()
 
-    def _request(self, rid):
-        return self.engine.get_request(rid)
+    def _add(self, stream: RequestStream, prompt_ids, params) -> None:
+        try:
+            self.engine.add_request(prompt_ids, params, request_id=stream.id)
+        except InvalidRequestError as e:
+            stream.push(("error", e))
+            return
+        except Exception as e:  # noqa: BLE001 - this request only
+            log.exception("adding request %s failed", stream.id)
+            self._drop(stream.id)
+            stream.push(("error", RequestFailedError(f"internal error while adding the request: {describe(e)}")))
+            return
+        self._streams[stream.id] = stream
+        req = self.engine.get_request(stream.id)
+        stream.push(("accepted", {"prompt_tokens": len(req.prompt_ids) if req is not None else None}))
+
+    def _guarded(self, rid: str, fn, *args) -> None:
+        """Run one request's handling; if it raises, fail that request alone."""
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001
+            log.exception("request %s failed on the engine thread", rid)
+            stream = self._streams.pop(rid, None)
+            self._drop(rid)
+            if stream is not None:
+                stream.push(("error", RequestFailedError(f"internal error while serving the request: {describe(e)}")))
+
+    def _drop(self, rid: str) -> None:
+        """Best effort: make the engine forget a request that failed (frees its slot and pages)."""
+        try:
+            req = self.engine.get_request(rid)
+            if req is not None and req.finish_reason is None:
+                self.engine.abort(rid)
+        except Exception:  # noqa: BLE001
+            log.exception("aborting failed request %s also failed", rid)
 
     def _abort(self, rid: str) -> None:
         stream = self._streams.pop(rid, None)
-        req = self._request(rid)
+        req = self.engine.get_request(rid)
         if req is None:
             return
         self.engine.abort(rid)
@@ -173,20 +260,32 @@ class EngineLoop:
         if stream is not None:
             stream.push(("done", result))
 
+    def _deliver(self, req, ids) -> None:
+        """Push one request's new tokens (and its end) to its stream."""
+        stream = self._streams.get(req.id)
+        if stream is not None and ids:
+            stream.push(("delta", list(ids), req.text))
+        if req.finish_reason is not None:  # finished this step
+            self._streams.pop(req.id, None)
+            self._finish(req, stream)
+
     def _step(self) -> None:
         t0 = time.perf_counter()
-        events = self.engine.step()
+        events = self.engine.step()  # raising here is fatal (see _run)
         dt = time.perf_counter() - t0
         self.total_steps += 1
         ntok = 0
         for req, ids in events:
             ntok += len(ids)
-            stream = self._streams.get(req.id)
-            if stream is not None and ids:
-                stream.push(("delta", list(ids), req.text))
-            if req.finish_reason is not None:  # finished this step
-                self._streams.pop(req.id, None)
-                self._finish(req, stream)
+            self._guarded(req.id, self._deliver, req, ids)
+        try:
+            self._observe(dt, ntok)
+        except Exception:  # noqa: BLE001 - metrics must not stop serving
+            self._observe_failures += 1
+            if self._observe_failures == 1:
+                log.exception("recording step metrics failed (logged once)")
+
+    def _observe(self, dt: float, ntok: int) -> None:
         now = time.perf_counter()
         self._recent.append((now, ntok))
         while self._recent and now - self._recent[0][0] > self._window:

@@ -542,3 +542,330 @@ def test_server_args_refuse_impossible_combinations():
         with pytest.raises(ValueError, match=message):
             ServerArgs(**kw).resolve()
     assert ServerArgs(sps_table_path="t.json").resolve().speculative_algorithm == "DSPARK"
+
+
+# -- hostile input ---------------------------------------------------------------------------------
+
+CHAT_HI = {"messages": [{"role": "user", "content": "hi"}]}
+DEEP = 100_000
+
+
+def _raw(s: str) -> bytes:
+    return s.encode()
+
+
+# (path, body: dict or raw bytes, param or None, a phrase the message must hold)
+HOSTILE = [
+    # lone UTF-16 surrogates: valid JSON, not valid Unicode
+    ("/v1/completions", _raw('{"prompt": "hi \\ud800 there"}'), "prompt", "surrogate"),
+    ("/v1/chat/completions", _raw('{"messages": [{"role": "user", "content": "hi \\udfff"}]}'), "messages", "surrogate"),
+    ("/v1/chat/completions", _raw('{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}'),
+     "messages", "surrogate"),
+    ("/generate", _raw('{"text": "hi \\ud800 there"}'), "text", "surrogate"),
+    ("/v1/completions", _raw('{"prompt": "hi", "stop": ["\\udbff"]}'), "stop", "surrogate"),
+    ("/v1/completions", _raw('{"prompt": "hi", "model": "\\ud800"}'), "model", "surrogate"),
+    ("/v1/completions", _raw('{"prompt": "hi", "\\ud800": 1}'), None, "surrogate"),
+    # numbers and nesting
+    ("/v1/completions", _raw('{"prompt": "hi", "max_tokens": ' + "9" * 5000 + "}"), None, "digits"),
+    ("/v1/completions", _raw('{"prompt": [1, ' + "7" * 4400 + "]}"), None, "digits"),
+    ("/v1/completions", _raw('{"prompt": "hi", "temperature": ' + "1" * 400 + "}"), None, "digits"),
+    ("/v1/completions", _raw('{"prompt": "hi", "temperature": 1e400}'), "temperature", "finite"),
+    ("/v1/completions", _raw('{"prompt": "hi", "temperature": NaN}'), None, "NaN"),
+    ("/generate", _raw('{"text": "hi", "sampling_params": {"temperature": -Infinity}}'), None, "Infinity"),
+    ("/v1/completions", _raw('{"prompt": "hi", "x": ' + "[" * DEEP + "]" * DEEP + "}"), None, "nested"),
+    ("/v1/completions", _raw('{"prompt": "hi", "metadata": ' + "[" * 70 + "]" * 70 + "}"), None, "nested"),
+    ("/v1/completions", _raw('{"prompt": "hi", "user": ' + '{"a": ' * DEEP + "1" + "}" * DEEP + "}"), None, "nested"),
+    # out of range for the device arrays
+    ("/v1/completions", {"prompt": "hi", "top_k": 1099511627776}, "top_k", "less than"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -2}, "top_k", "greater than"),
+    ("/generate", {"text": "hi", "sampling_params": {"top_k": 2**31}}, "top_k", "less than"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**32}, "seed", "less than"),
+    ("/generate", {"text": "hi", "sampling_params": {"sampling_seed": -1}}, "sampling_seed", "greater than"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**70]}, "stop_token_ids", "[0, "),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-5]}, "stop_token_ids", "[0, "),
+    ("/v1/chat/completions", {**CHAT_HI, "stop_token_ids": [10**7]}, "stop_token_ids", "[0, "),
+    ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [1, "2"]}}, "stop_token_ids", "integer"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": list(range(300))}, "stop_token_ids", "at most"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "greater than"),
+    ("/v1/chat/completions", {**CHAT_HI, "max_completion_tokens": MAX_MODEL_LEN + 1}, "max_completion_tokens", "context"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 10**30}}, "max_new_tokens", "context"),
+    ("/v1/completions", {"prompt": "hi", "temperature": True}, "temperature", "number"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 3.0}, "max_tokens", "integer"),
+    # stop strings
+    ("/v1/completions", {"prompt": "hi", "stop": [f"s{i}" for i in range(17)]}, "stop", "at most 16"),
+    ("/v1/chat/completions", {**CHAT_HI, "stop": "x" * 257}, "stop", "at most 256"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop": ["ok", "y" * 300_000]}}, "stop", "at most 256"),
+    ("/v1/completions", {"prompt": "hi", "stop": [3]}, "stop", "list of strings"),
+    # parameters this server does not implement
+    ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of", "best_of"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo", "echo"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "suffix", "suffix"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 1}, "logprobs", "log probabilities"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 0}, "logprobs", "log probabilities"),
+    ("/v1/chat/completions", {**CHAT_HI, "logprobs": True}, "logprobs", "log probabilities"),
+    ("/v1/chat/completions", {**CHAT_HI, "top_logprobs": 3}, "top_logprobs", "log probabilities"),
+    ("/v1/chat/completions", {**CHAT_HI, "n": 3}, "n", "several requests"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", "presence_penalty"),
+    ("/v1/chat/completions", {**CHAT_HI, "frequency_penalty": -1}, "frequency_penalty", "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1.1}, "repetition_penalty", "repetition_penalty"),
+    ("/v1/chat/completions", {**CHAT_HI, "min_tokens": 4}, "min_tokens", "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "min_p": 0.05}, "min_p", "min_p"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 100}}, "logit_bias", "logit_bias"),
+    ("/v1/chat/completions", {**CHAT_HI, "response_format": {"type": "json_object"}}, "response_format", "JSON mode"),
+    ("/v1/chat/completions", {**CHAT_HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool"),
+    ("/v1/chat/completions", {**CHAT_HI, "tool_choice": "auto"}, "tool_choice", "tool"),
+    ("/v1/chat/completions", {**CHAT_HI, "functions": [{"name": "f"}]}, "functions", "function"),
+    ("/v1/chat/completions", {**CHAT_HI, "function_call": "auto"}, "function_call", "function"),
+    ("/v1/chat/completions", {**CHAT_HI, "parallel_tool_calls": True}, "parallel_tool_calls", "tool"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
+     "messages", "tool_calls"),
+    ("/v1/chat/completions", {**CHAT_HI, "store": True}, "store", "stored"),
+    ("/v1/chat/completions", {**CHAT_HI, "regex": "a+"}, "regex", "constrained"),
+    ("/v1/completions", {"prompt": "hi", "json_schema": "{}"}, "json_schema", "constrained"),
+    ("/v1/completions", {"prompt": "hi", "skip_special_tokens": False}, "skip_special_tokens", "special tokens"),
+    ("/generate", {"text": "hi", "return_logprob": True}, "return_logprob", "log probabilities"),
+    ("/generate", {"text": "hi", "top_logprobs_num": 2}, "top_logprobs_num", "log probabilities"),
+    *[("/generate", {"text": "hi", "sampling_params": {k: v}}, k, k) for k, v in (
+        ("repetition_penalty", 1.3), ("frequency_penalty", 0.2), ("presence_penalty", 0.2), ("min_new_tokens", 2),
+        ("min_p", 0.1), ("json_schema", '{"type": "object"}'), ("regex", "[a-z]+"), ("ebnf", "root ::= 'a'"),
+        ("structural_tag", "{}"), ("logit_bias", {"3": 1.0}), ("no_stop_trim", True), ("n", 2))],
+    # unknown fields are named
+    ("/v1/completions", {"prompt": "hi", "foo": 1, "bar": None}, "foo", "'foo', 'bar'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "mood": "x"}]}, "messages", "messages[0].mood"),
+    ("/generate", {"text": "hi", "sampling_params": {"temprature": 0.5}}, "temprature", "sampling_params.temprature"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True, "x": 1}}, "stream_options", "x"),
+    ("/generate", {"text": "hi", "rid": "abc"}, "rid", "rid"),
+]
+
+
+def _post(c, server, path, body):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    return c.post(server.base + path, headers={"content-type": "application/json"}, **kw)
+
+
+def _reference_answers(c, server) -> list:
+    """One greedy answer per endpoint, to compare before and after hostile input."""
+    out = [_post(c, server, "/v1/completions", {"prompt": "def f(x):", "max_tokens": 6, **GREEDY, **NOEOS}).json()["choices"][0]["text"],
+           _post(c, server, "/v1/chat/completions", {**CHAT_HI, "max_tokens": 6, **GREEDY, **NOEOS}).json()["choices"][0]["message"]["content"],
+           _post(c, server, "/generate", {"text": "import", "sampling_params": {"max_new_tokens": 6, **GREEDY, **NOEOS}}).json()["output_ids"]]
+    return out
+
+
+def test_hostile_inputs_get_4xx_and_the_engine_carries_on(server):
+    with httpx.Client(trust_env=False, timeout=60) as c:
+        before = _reference_answers(c, server)
+        with c.stream("POST", server.base + "/v1/completions",
+                      json={"prompt": "for i in", "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}) as long:
+            for path, body, param, phrase in HOSTILE:
+                r = _post(c, server, path, body)
+                assert r.status_code == 400, (path, str(body)[:200], r.text[:300])
+                err = r.json()["error"]
+                assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error", err
+                assert phrase in err["message"], (phrase, err)
+                if param:
+                    assert err["param"] == param, (str(body)[:200], err)
+            chunks = [json.loads(line[6:]) for line in long.iter_lines() if line.startswith("data: {")]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert c.get(server.base + "/health").json() == {"status": "ok"}
+        assert _reference_answers(c, server) == before
+        # neutral values of unimplemented parameters, and the ignored fields, change nothing
+        neutral = {"user": "u-1", "safety_identifier": "s", "n": 1, "best_of": 1, "echo": False, "logprobs": None,
+                   "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "min_tokens": 0, "min_p": 0,
+                   "logit_bias": {}, "skip_special_tokens": True, "stop": None, "seed": None, "top_k": -1}
+        r = _post(c, server, "/v1/completions", {"prompt": "def f(x):", "max_tokens": 6, **GREEDY, **NOEOS, **neutral})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == before[0], r.text
+        chat_neutral = {"metadata": {"k": "v"}, "store": False, "tools": [], "tool_choice": "none", "logprobs": False,
+                        "top_logprobs": 0, "response_format": {"type": "text"}, "user": "u-1"}
+        r = _post(c, server, "/v1/chat/completions", {**CHAT_HI, "max_tokens": 6, **GREEDY, **NOEOS, **chat_neutral})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == before[1], r.text
+        r = _post(c, server, "/generate", {"text": "import", "return_logprob": False, "sampling_params": {
+            "max_new_tokens": 6, **GREEDY, **NOEOS, "repetition_penalty": 1.0, "min_new_tokens": 0, "regex": None}})
+        assert r.status_code == 200 and r.json()["output_ids"] == before[2], r.text
+
+
+def test_body_size_limit(server):
+    """413 before reading a body whose Content-Length is too large, and while reading a chunked one."""
+    cfg = server.state.cfg
+    limit0, cfg.max_body_bytes = cfg.max_body_bytes, 64 << 10
+    try:
+        host, port = server.base.rsplit("//", 1)[1].split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:  # headers only: nothing more is sent
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 10000000\r\n\r\n")
+            head = s.recv(65536)
+        assert head.startswith(b"HTTP/1.1 413") and b'"request_too_large"' in head, head
+
+        def chunks():
+            yield b'{"prompt": "'
+            for _ in range(20):
+                yield b"a" * 8192
+            yield b'"}'
+
+        with httpx.Client(trust_env=False, timeout=30) as c:
+            for body in (chunks(), b'{"prompt": "hi", "pad": "' + b"b" * (100 << 10) + b'"}'):
+                r = c.post(server.base + "/v1/completions", content=body, headers={"content-type": "application/json"})
+                assert r.status_code == 413, r.text
+                assert r.json()["error"]["code"] == "request_too_large" and "65536" in r.json()["error"]["message"]
+                assert ("transfer-encoding" in r.request.headers) == (not isinstance(body, bytes))
+            # a chunked body under the limit is fine
+            r = c.post(server.base + "/v1/completions", content=iter([b'{"prompt": "hi", ', b'"max_tokens": 2}']),
+                       headers={"content-type": "application/json"})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+    finally:
+        cfg.max_body_bytes = limit0
+    # the default limit refuses 10 MB (a prompt, an unknown field)
+    for body in ({"prompt": "a" * 10_000_000}, {"prompt": "hi", "zzz": "b" * 10_000_000}):
+        r = httpx.post(server.base + "/v1/completions", json=body, timeout=30, trust_env=False)
+        assert r.status_code == 413, r.text[:200]
+    assert _get(server, "/health").status_code == 200
+
+
+def test_huge_prompt_is_tokenized_off_the_engine_thread(server, monkeypatch):
+    """A 1 MiB prompt (under the body limit, over the context) is tokenized on the tokenize pool,
+    never on the engine thread or the event loop, and refused with a 400 while a concurrent stream
+    completes.  The engine thread only ever sees token ids."""
+    engine, state = server.state.engine, server.state
+    calls = []
+    real = engine.encode_prompt
+
+    def spy(prompt):
+        calls.append((threading.current_thread(), prompt if isinstance(prompt, list) else len(prompt)))
+        return real(prompt)
+
+    monkeypatch.setattr(engine, "encode_prompt", spy)
+    huge = "def f():" + " " * (1 << 20)
+    with httpx.Client(trust_env=False, timeout=60) as c:
+        with c.stream("POST", server.base + "/v1/completions",
+                      json={"prompt": "while", "max_tokens": 30, "temperature": 0, "ignore_eos": True, "stream": True}) as s:
+            r = c.post(server.base + "/v1/completions", json={"prompt": huge, "max_tokens": 4})
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "context" in r.json()["error"]["message"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    texts = [(t, n) for t, n in calls if not isinstance(n, list)]
+    assert sorted(n for _, n in texts) == [len("while"), len(huge)], calls
+    assert all(t is not state.loop.thread and t.name.startswith("dspark-tokenize") for t, _ in texts), calls
+    assert all(t is state.loop.thread for t, n in calls if isinstance(n, list))  # the engine re-checks ids only
+
+
+def test_chat_default_max_tokens(server, client, monkeypatch):
+    """Chat without max_tokens gets ServerConfig.default_chat_max_tokens (1024 unless set)."""
+    from serving.app import ServerConfig
+
+    assert ServerConfig().default_chat_max_tokens == 1024
+    monkeypatch.setattr(server.state.cfg, "default_chat_max_tokens", 5)
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "count"}], **GREEDY,
+                                       extra_body=NOEOS)
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+
+
+def test_chat_default_max_tokens_is_capped_by_the_context_left(server, client, monkeypatch):
+    """A default larger than the context left after the prompt is cut to what is left."""
+    import dataclasses
+
+    engine, cfg = server.state.engine, server.state.cfg
+    seen = []
+    real = engine.add_request
+
+    def spy(prompt, params, request_id=None):  # record what the server asked for, then run 2 tokens of it
+        seen.append((len(prompt), params.max_new_tokens))
+        return real(prompt, dataclasses.replace(params, max_new_tokens=2), request_id=request_id)
+
+    monkeypatch.setattr(engine, "add_request", spy)
+    monkeypatch.setattr(cfg, "default_chat_max_tokens", 10**6)
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], **GREEDY)
+    assert r.usage.completion_tokens <= 2
+    assert seen == [(r.usage.prompt_tokens, MAX_MODEL_LEN - r.usage.prompt_tokens)]
+
+
+def test_openapi_describes_request_bodies_and_405_keeps_allow(server):
+    spec = _get(server, "/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+    for path, model in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest"),
+                        ("/generate", "GenerateRequest")):
+        body = spec["paths"][path]["post"]["requestBody"]
+        assert body["content"]["application/json"]["schema"]["$ref"] == f"#/components/schemas/{model}"
+        assert "max_tokens" in schemas[model]["properties"] or "sampling_params" in schemas[model]["properties"]
+    assert "ChatMessage" in schemas and "GenerateSamplingParams" in schemas
+    r = _get(server, "/v1/chat/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+# -- engine faults ---------------------------------------------------------------------------------
+
+def test_a_fault_in_one_request_fails_only_that_request(server, monkeypatch):
+    """If handling one request's events raises on the engine thread (say its detokenization), that
+    request gets a 500 naming the cause; the others, and later ones, are served as usual."""
+    loop = server.state.loop
+    victim_prompt = "def broken():"
+    victim_ids = server.tokenizer.encode(victim_prompt)
+    real_deliver, real_add = loop._deliver, server.state.engine.add_request
+
+    def deliver(req, ids):
+        if list(req.prompt_ids) == victim_ids:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected detokenization fault")
+        return real_deliver(req, ids)
+
+    def add_request(prompt, params, request_id=None):
+        if params.max_new_tokens == 7:
+            raise KeyError("injected admission fault")
+        return real_add(prompt, params, request_id=request_id)
+
+    other = {"prompt": "import numpy", "max_tokens": 12, **GREEDY, **NOEOS}
+    with httpx.Client(trust_env=False, timeout=60) as c:
+        want = _post(c, server, "/v1/completions", other).json()["choices"][0]["text"]
+        monkeypatch.setattr(loop, "_deliver", deliver)
+        monkeypatch.setattr(server.state.engine, "add_request", add_request)
+        with c.stream("POST", server.base + "/v1/completions", json={**other, "stream": True}) as s:
+            bad = _post(c, server, "/v1/completions", {"prompt": victim_prompt, "max_tokens": 12, **GREEDY, **NOEOS})
+            with c.stream("POST", server.base + "/generate", json={"text": victim_prompt, "stream": True,
+                                                                 "sampling_params": {"max_new_tokens": 12}}) as bs:
+                bad_stream = [json.loads(line[6:]) for line in bs.iter_lines() if line.startswith("data: {")]
+            bad_add = _post(c, server, "/v1/chat/completions", {**CHAT_HI, "max_tokens": 7})
+            got = "".join(json.loads(line[6:])["choices"][0]["text"] for line in s.iter_lines() if line.startswith("data: {"))
+        assert got == want
+        assert bad.status_code == 500 and bad.json()["error"]["type"] == "internal_error"
+        assert "UnicodeDecodeError" in bad.json()["error"]["message"] and "injected" in bad.json()["error"]["message"]
+        assert "injected detokenization fault" in bad_stream[-1]["error"]["message"]
+        assert bad_add.status_code == 500 and "KeyError" in bad_add.json()["error"]["message"]
+        monkeypatch.undo()
+        assert c.get(server.base + "/health").json() == {"status": "ok"}
+        assert _post(c, server, "/v1/completions", other).json()["choices"][0]["text"] == want
+    _wait_idle(server)
+
+
+def test_engine_step_failure_fails_in_flight_requests_and_calls_on_fatal(model_dir):
+    """engine.step() raising kills the engine: requests in flight get a 500 naming the cause, new
+    ones a 503, /health a 503 with the cause, on_fatal fires once, and shutdown does not wait."""
+    from dspark_jax.engine import Engine, EngineConfig
+    from serving.app import ServerConfig, create_app
+
+    engine = Engine.from_pretrained(model_dir, EngineConfig(max_running_requests=4, max_prefill_tokens=64,
+                                                            max_model_len=256, precompile=False))
+
+    def step():  # fail once two requests are in: no compilation is needed
+        if len(engine.scheduler.waiting) + len(engine.scheduler.running) < 2:
+            time.sleep(0.005)
+            return []
+        raise RuntimeError("injected device fault")
+
+    engine.step = step
+    fatal = []
+    app = create_app(engine, ServerConfig(model_name="t", shutdown_timeout=30), on_fatal=fatal.append)
+    state = app.state.server
+    with serve_in_thread(app) as base:
+        with httpx.Client(trust_env=False, timeout=30) as c:
+            with c.stream("POST", base + "/v1/completions", json={"prompt": "a", "max_tokens": 5, "stream": True}) as s:
+                assert s.status_code == 200
+                r = c.post(base + "/generate", json={"text": "b", "sampling_params": {"max_new_tokens": 5}})
+                events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+            assert r.status_code == 500 and "injected device fault" in r.json()["error"]["message"], r.text
+            assert "injected device fault" in events[-1]["error"]["message"] and events[-1]["error"]["code"] == 500
+            assert state.fatal_event.wait(10) and fatal == [state.fatal_error] and "injected" in str(fatal[0])
+            h = c.get(base + "/health")
+            assert h.status_code == 503 and "injected device fault" in h.json()["error"]
+            late = c.post(base + "/v1/completions", json={"prompt": "c", "max_tokens": 2})
+            assert late.status_code == 503 and "injected device fault" in late.json()["error"]["message"]
+        state.begin_drain()
+        t0 = time.time()
+    assert time.time() - t0 < 10

@@ -1,0 +1,97 @@
+"""Request parsing bounds and validation messages (serving/jsonbody.py, serving/protocol.py): no engine."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from serving.jsonbody import MAX_DEPTH, MAX_INT_DIGITS, parse_json_body  # noqa: E402
+from serving.protocol import (  # noqa: E402
+    _NOT_IMPLEMENTED, ApiError, ChatCompletionRequest, CompletionRequest, GenerateRequest, GenerateSamplingParams, Limits,
+    parse_chat, parse_completion, parse_generate,
+)
+
+LIM = Limits(max_model_len=128, vocab_size=300)
+
+
+def _refused(raw: bytes, phrase: str) -> ApiError:
+    with pytest.raises(ApiError) as e:
+        parse_json_body(raw)
+    assert e.value.status == 400 and phrase in e.value.message, e.value.message
+    return e.value
+
+
+def test_json_nesting_is_bounded_outside_strings_only():
+    def nest(d):
+        return b'{"a": ' + b"[" * (d - 1) + b"]" * (d - 1) + b"}"
+
+    assert parse_json_body(nest(MAX_DEPTH))["a"]
+    _refused(nest(MAX_DEPTH + 1), "nested too deeply")
+    _refused(nest(100_000), "nested too deeply")
+    # brackets and escaped quotes inside strings do not count
+    s = '"' + '[[[{{{\\"[[' * 50 + '"'
+    assert parse_json_body(('{"prompt": ' + s + ', "stop": [' + s + "]}").encode())["stop"][0].startswith("[[[{{{")
+
+
+def test_json_numbers_are_bounded():
+    assert parse_json_body(b'{"seed": ' + b"9" * MAX_INT_DIGITS + b"}")["seed"] == 10**MAX_INT_DIGITS - 1
+    _refused(b'{"seed": ' + b"9" * (MAX_INT_DIGITS + 1) + b"}", "digits")
+    _refused(b'{"seed": -' + b"9" * 5000 + b"}", "digits")
+    # a long run of digits inside a string is text, not a number
+    assert parse_json_body(b'{"prompt": "' + b"7" * 500 + b'", "n": 1}')["n"] == 1
+    for const in (b"NaN", b"Infinity", b"-Infinity"):
+        _refused(b'{"temperature": ' + const + b"}", "not a valid JSON number")
+    assert parse_json_body(b'{"temperature": 1e400}')["temperature"] == float("inf")  # refused by the model
+
+
+def test_json_text_must_be_valid_unicode():
+    assert parse_json_body(b'{"prompt": "\\ud83d\\ude00 ok"}')["prompt"] == "\U0001F600 ok"  # a surrogate pair
+    e = _refused(b'{"messages": [{"role": "user", "content": "a\\ud83d"}]}', "lone UTF-16 surrogate")
+    assert e.param == "messages" and "messages[0].content" in e.message and "\\ud83d" in e.message
+    assert parse_json_body(b'{"prompt": "\\\\ud800"}')["prompt"] == "\\ud800"  # an escaped backslash, not a surrogate
+    _refused(b'{"prompt": "\xff"}', "UTF-8")
+    _refused(b"[1]", "JSON object")
+    _refused(b'{"prompt": ', "not valid JSON")
+
+
+def test_every_refused_parameter_is_a_declared_field():
+    fields = set()
+    for m in (CompletionRequest, ChatCompletionRequest, GenerateRequest, GenerateSamplingParams):
+        fields |= set(m.model_fields)
+    assert {name for name, _, _ in _NOT_IMPLEMENTED} <= fields
+
+
+def test_validation_messages_name_the_field():
+    cases = [
+        (parse_completion, {"prompt": "hi", "max_tokens": "10"}, "max_tokens", "'max_tokens': Input should be a valid integer"),
+        (parse_completion, {"prompt": {"a": 1}}, "prompt", "'prompt' must be a non-empty string or a non-empty list"),
+        (parse_completion, {}, "prompt", "'prompt' is required"),
+        (parse_completion, {"prompt": "hi", "max_tokens": "x", "top_p": 2}, "top_p", "(and 1 more invalid field)"),
+        (parse_completion, {"prompt": "hi", "temperature": 1e400}, "temperature", "finite"),
+        (parse_completion, {"prompt": "hi", "max_tokens": 129}, "max_tokens", "<= 128 (the context length)"),
+        (parse_completion, {"prompt": "hi", "stop_token_ids": [300]}, "stop_token_ids", "[0, 300)"),
+        (parse_completion, {"prompt": [[1, 2], [3]]}, "prompt", "batched prompts"),
+        (lambda b, lim: parse_chat(b, lim, 64), {"messages": [{"role": "user"}]}, "messages", "content' is required"),
+        (lambda b, lim: parse_chat(b, lim, 64), {"messages": [{"role": "bot", "content": "x"}]}, "messages",
+         "'messages[0].role'"),
+        (parse_generate, {"text": "a", "input_ids": [1]}, "text", "exactly one"),
+        (parse_generate, {"text": "a", "sampling_params": {"seed": 1, "sampling_seed": 2}}, "seed", "differ"),
+    ]
+    for parse, body, param, phrase in cases:
+        with pytest.raises(ApiError) as e:
+            parse(body, LIM)
+        assert e.value.status == 400 and e.value.param == param and phrase in e.value.message, (body, e.value.message)
+
+
+def test_parsed_values():
+    p = parse_completion({"prompt": [[5, 6]], "top_k": -1, "seed": 2**32 - 1, "stop": "x", "stream": True,
+                          "stream_options": {"include_usage": True}}, LIM)
+    assert p.prompt == [5, 6] and p.params.top_k == 0 and p.params.seed == 2**32 - 1 and p.params.stop == ("x",)
+    assert p.stream and p.include_usage and p.params.max_new_tokens == 16 and p.params.temperature == 1.0
+    c = parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                                 {"role": "assistant", "content": None, "name": "bot"}]}, LIM, 64)
+    assert c.messages == [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "", "name": "bot"}]
+    assert c.params.max_new_tokens == 64 and not c.max_tokens_given
+    g = parse_generate({"input_ids": [1, 2], "sampling_params": {"sampling_seed": 9, "max_new_tokens": 3}}, LIM)
+    assert g.prompt == [1, 2] and g.params.seed == 9 and g.params.max_new_tokens == 3
