@@ -70,6 +70,9 @@ class ServerArgs:
     port: int = _opt(30000, help="port to listen on", server=True)
     shutdown_timeout: float = _opt(30.0, help="seconds in-flight requests get after SIGTERM", server=True)
     log_level: str = _opt("info", help="logging level", server=True)
+    max_body_bytes: int = _opt(4 << 20, help="largest request body accepted, in bytes (larger: 413)", server=True)
+    default_chat_max_tokens: int = _opt(1024, help="max_tokens of a chat request that sets none (capped by the "
+                                                   "context left after the prompt)", server=True)
 
     # -- command line ----------------------------------------------------------------------------
     @classmethod
@@ -133,7 +136,8 @@ class ServerArgs:
                                  ("--max-prefill-tokens", self.max_prefill_tokens, 1), ("--page-size", self.page_size, 1),
                                  ("--rounds-per-call", self.rounds_per_call, 1), ("--mtp-steps", self.mtp_steps, 1),
                                  ("--max-total-tokens", self.max_total_tokens, 1), ("--max-model-len", self.max_model_len, 2),
-                                 ("--sps-min-gain", self.sps_min_gain, 0)):
+                                 ("--sps-min-gain", self.sps_min_gain, 0), ("--max-body-bytes", self.max_body_bytes, 1),
+                                 ("--default-chat-max-tokens", self.default_chat_max_tokens, 1)):
             if value is not None and not value >= low:
                 raise ValueError(f"{flag} must be >= {low}, got {value}")
         return dataclasses.replace(self, model_path=model, draft_model_path=draft, speculative_algorithm=algo)

@@ -10,7 +10,9 @@ embedded DSpark drafter.
         --speculative-algorithm MTP --mtp-steps 3          # the EAGLE 3-1-4 baseline arm
 
 SIGTERM / Ctrl-C: stop accepting connections, let in-flight requests run for up to
---shutdown-timeout seconds, then end the rest with finish_reason "abort".
+--shutdown-timeout seconds, then end the rest with finish_reason "abort".  If the engine itself
+fails, every request in flight gets a 500 naming the cause and the process exits with status 1,
+so a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def main(argv=None) -> int:
         draft_model_path=args.draft_model_path, speculative_algorithm=args.speculative_algorithm,
         verify_mode=args.verify_mode if args.speculative_algorithm == "DSPARK" else None,
         block_size=getattr(engine.worker, "gamma", None), shutdown_timeout=args.shutdown_timeout,
+        max_body_bytes=args.max_body_bytes, default_chat_max_tokens=args.default_chat_max_tokens,
         extra={"speculative_num_steps": engine.worker.num_steps,
                "speculative_num_draft_tokens": engine.worker.num_steps + 1}
         if args.speculative_algorithm == "MTP" else {},
@@ -79,12 +82,17 @@ def main(argv=None) -> int:
     app = create_app(engine, cfg)
     server = make_server(app, host=args.host, port=args.port, log_level=args.log_level,
                          shutdown_timeout=args.shutdown_timeout)
+    state = app.state.server
+    state.on_fatal = lambda err: setattr(server, "should_exit", True)
     log.info("serving %r on http://%s:%d", cfg.model_name, args.host, args.port)
     # uvicorn re-raises a captured SIGTERM/SIGINT after its graceful shutdown, restoring the
     # previous handlers first: with these no-op handlers a drained shutdown exits with status 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     server.run()
+    if state.fatal_error is not None:
+        log.error("the engine failed: %r", state.fatal_error)
+        return 1
     log.info("shut down cleanly")
     return 0
 
