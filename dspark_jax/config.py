@@ -13,16 +13,28 @@ SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3Config:
+class LayerShape:
+    """The vocabulary, widths and heads of a decoder layer: what a target and the drafters that
+    share its embedding, LM head and layer shape have in common."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
-    num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
+
+    @classmethod
+    def shape_of(cls, config: "LayerShape") -> dict[str, Any]:
+        """The LayerShape fields of any config that has them, as keyword arguments."""
+        return {f.name: getattr(config, f.name) for f in dataclasses.fields(LayerShape)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Qwen3Config(LayerShape):
+    num_hidden_layers: int
     max_position_embeddings: int = 40960
     tie_word_embeddings: bool = False
     attention_bias: bool = False

@@ -1,30 +1,21 @@
 """One transfer per step each way: a step's small host arrays packed into one int32 buffer.
 
 A speculative round takes a dozen small host arrays (anchors, positions, page tables, sampling
-parameters, ...).  Handed to a compiled executable one by one, each is its own host-to-device
-transfer: on the H200, a batch-64 DSpark round of the embedded default pair spent 1.94 ms in the
-call with its inputs on the host and 1.51 ms with them already on the device (command buffers
-off; 1.70 vs 1.11 ms with them on), against 1.67 ms of device time
-(benchmarks/results/dispatch_bs64_gpu_*_e24605b.md) -- the host was the bound.  Packing them
-into one buffer makes that one transfer; the step slices and bitcasts the fields back inside the
-executable (static slices of one parameter, which XLA can fuse into their consumers).  Measured
-at 9cab8e4 (command buffers on): the batch-64 round's dispatch went from 1.70 to 1.25 ms while
-the pre-placed form, which the change does not touch, stayed at 1.11 / 1.06 ms
-(benchmarks/results/dispatch_bs64_gpu_cmdbuf_while_packed_9cab8e4.md).
+parameters, ...); handed to a compiled executable one by one, each is its own host-to-device
+transfer, and a host-paced loop pays for every one.  Packed, they are one transfer; the step
+slices and bitcasts the fields back inside the executable.  The same layout carries a step's
+small results back in one device-to-host read (``pack_traced`` inside, ``unpack_host`` outside).
 
-The same layout carries a step's small results back (``pack_traced`` inside the executable,
-``unpack_host`` on the host): read as separate arrays, the seven results of a speculative round
-took 0.13 ms on the CPU against 0.02 ms as one buffer (benchmarks/profile_dispatch.py).
-
-Fields must be 4-byte (int32, uint32, float32) or bool; fields named as device fields (arrays a
-previous step left on the device) are passed through untouched.
+The inputs are a NamedTuple or a dataclass of arrays.  Fields must be 4-byte (int32, uint32,
+float32) or bool; fields named as device fields (arrays a previous step left on the device)
+are passed through untouched.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,18 +26,18 @@ _PACKABLE = ("int32", "uint32", "float32", "bool")
 
 @dataclasses.dataclass(frozen=True)
 class HostPack:
-    """Where each host field of a NamedTuple sits in one flat int32 buffer (hashable: a static
-    argument of the jitted step)."""
+    """Where each host field of a NamedTuple or dataclass sits in one flat int32 buffer
+    (hashable: a static argument of the jitted step)."""
 
-    cls: type  # the NamedTuple class
+    cls: type  # the NamedTuple or dataclass
     fields: tuple[tuple[str, tuple[int, ...], str, int], ...]  # (name, shape, dtype, offset), host fields
     device_fields: tuple[str, ...]
     size: int
 
     @classmethod
-    def of(cls, abstract: NamedTuple, device_fields: tuple[str, ...] = ()) -> "HostPack":
-        """The layout of `abstract` (a NamedTuple of arrays or ShapeDtypeStructs)."""
-        names = type(abstract)._fields
+    def of(cls, abstract, device_fields: tuple[str, ...] = ()) -> "HostPack":
+        """The layout of `abstract` (a NamedTuple or dataclass of arrays or ShapeDtypeStructs)."""
+        names = field_names(type(abstract))
         unknown = set(device_fields) - set(names)
         if unknown:
             raise ValueError(f"device fields {sorted(unknown)} are not fields of {type(abstract).__name__}")
@@ -67,7 +58,7 @@ class HostPack:
         """The packed buffer's abstract value (for lowering the step)."""
         return jax.ShapeDtypeStruct((self.size,), jnp.int32)
 
-    def pack(self, values: NamedTuple) -> np.ndarray:
+    def pack(self, values) -> np.ndarray:
         """The host fields of `values` as one int32 numpy buffer."""
         buf = np.empty(self.size, np.int32)
         for name, shape, dtype, offset in self.fields:
@@ -78,7 +69,7 @@ class HostPack:
             buf[offset : offset + a.size] = a.reshape(-1).view(np.int32)
         return buf
 
-    def device(self, values: NamedTuple) -> tuple:
+    def device(self, values) -> tuple:
         """The device fields of `values`, in layout order (passed beside the buffer)."""
         return tuple(getattr(values, name) for name in self.device_fields)
 
@@ -94,7 +85,7 @@ class HostPack:
             out[name] = piece
         return self.cls(**out)
 
-    def pack_traced(self, values: NamedTuple) -> jax.Array:
+    def pack_traced(self, values) -> jax.Array:
         """Traced ``pack``: the host fields of `values` (device arrays inside a step) as one int32
         buffer, so a step's small results come back in one device-to-host transfer."""
         pieces = []
@@ -121,6 +112,11 @@ class HostPack:
             piece = buf[offset : offset + math.prod(shape)].reshape(shape)
             out[name] = piece != 0 if dtype == "bool" else piece.view(np.dtype(dtype))
         return self.cls(**out)
+
+
+def field_names(cls) -> tuple[str, ...]:
+    """The fields of a NamedTuple or dataclass type, in order."""
+    return cls._fields if hasattr(cls, "_fields") else tuple(f.name for f in dataclasses.fields(cls))
 
 
 def with_packed_inputs(fn, index: int):

@@ -13,61 +13,24 @@ from __future__ import annotations
 import jax
 
 from dspark_jax.forward_batch import ForwardBatch
+from pallas_kernels.backend import resolve_backend as _resolve
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_op, write_kv_pages
-
-BACKENDS = ("reference", "pallas")
-
 
 def resolve_backend(name: str) -> str:
     """"auto" means the Pallas kernel on GPU and the jnp reference elsewhere."""
-    if name == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS + ('auto',)}")
-    return name
+    return _resolve(name, "attention")
 
 
-def paged_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    batch: ForwardBatch,
-    layer: jax.Array,
-    *,
-    sm_scale: float,
-    backend: str,
-    causal: bool = True,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q [T,Hq,D], k/v [T,Hkv,D] -> (out [T,Hq,D], k_cache, v_cache)."""
+def paged_attention(q, k, v, k_cache, v_cache, batch: ForwardBatch, layer, *, sm_scale: float, backend: str,
+                    causal: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [T,Hq,D], k/v [T,Hkv,D] -> (out [T,Hq,D], k_cache, v_cache): write, then attend."""
     k_cache, v_cache = write_kv_pages(k_cache, v_cache, k, v, batch.slot_mapping, layer=layer)
-    out = attend_paged(q, k_cache, v_cache, batch, layer, sm_scale=sm_scale, backend=backend, causal=causal)
-    return out, k_cache, v_cache
+    return attend_paged(q, k_cache, v_cache, batch, layer, sm_scale=sm_scale, backend=backend, causal=causal), \
+        k_cache, v_cache
 
 
-def attend_paged(
-    q: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    batch: ForwardBatch,
-    layer: jax.Array,
-    *,
-    sm_scale: float,
-    backend: str,
-    causal: bool = True,
-) -> jax.Array:
+def attend_paged(q, k_cache, v_cache, batch: ForwardBatch, layer, *, sm_scale: float, backend: str,
+                 causal: bool = True) -> jax.Array:
     """q [T,Hq,D] over caches that already hold this step's K/V -> out [T,Hq,D]."""
-    return ragged_paged_attention_op(
-        q,
-        k_cache,
-        v_cache,
-        batch.kv_lens,
-        batch.page_table,
-        batch.cu_q_lens,
-        batch.num_seqs,
-        sm_scale=sm_scale,
-        layer=layer,
-        causal=causal,
-        backend=backend,
-    )
+    return ragged_paged_attention_op(q, k_cache, v_cache, batch.kv_lens, batch.page_table, batch.cu_q_lens,
+                                     batch.num_seqs, sm_scale=sm_scale, layer=layer, causal=causal, backend=backend)

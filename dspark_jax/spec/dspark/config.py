@@ -6,22 +6,16 @@ import dataclasses
 import json
 from pathlib import Path
 
-from dspark_jax.config import Qwen3Config
+from dspark_jax.config import LayerShape, Qwen3Config
 
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
 
 
 @dataclasses.dataclass(frozen=True)
-class DSparkConfig:
-    # Shape family of the target (the drafter's layers have the target's widths and heads).
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
+class DSparkConfig(LayerShape):
+    """The target's shape family (the drafter's layers have its widths and heads) and the
+    drafter's own choices."""
+
     # Drafter choices (DeepSpec defaults: 5 layers, block 7, vanilla head of rank 256).
     num_layers: int = 5
     block_size: int = 7  # gamma: drafts per round; the verify window is gamma + 1
@@ -51,17 +45,7 @@ class DSparkConfig:
         for t in kw["target_layer_ids"]:
             if not -1 <= t < L - 1:
                 raise ValueError(f"target layer {t} out of range: taps must be in [-1, {L - 2}] (never the last layer)")
-        return cls(
-            vocab_size=target.vocab_size,
-            hidden_size=target.hidden_size,
-            intermediate_size=target.intermediate_size,
-            num_attention_heads=target.num_attention_heads,
-            num_key_value_heads=target.num_key_value_heads,
-            head_dim=target.head_dim,
-            rms_norm_eps=target.rms_norm_eps,
-            rope_theta=target.rope_theta,
-            **kw,
-        )
+        return cls(**LayerShape.shape_of(target), **kw)
 
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")

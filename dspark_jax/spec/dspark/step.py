@@ -34,21 +34,14 @@ from dspark_jax.forward_batch import ForwardBatch
 from dspark_jax.kv_cache import KVCache
 from dspark_jax.sampling import sample
 from dspark_jax.spec.common.acceptance import target_probs, verify
+from dspark_jax.spec.common.inputs import RoundBatch, round_inputs
 from dspark_jax.spec.common.packing import front_pack, packed_rows, topk_verify_lens, unpack_rows
 from dspark_jax.spec.dspark.model import sample_block
 
 
-class SpecInputs(NamedTuple):
-    anchor: jax.Array  # [S] int32 last committed token (not yet in the target cache)
-    start: jax.Array  # [S] int32 its absolute position
-    page_table: jax.Array  # [S, P]
-    live: jax.Array  # [S] bool
-    num_seqs: jax.Array  # [] int32
+@round_inputs
+class SpecInputs(RoundBatch):
     budget: jax.Array  # [rounds] int32 extra verify tokens of each round (compact / cap-accept)
-    temperature: jax.Array  # [S]
-    top_k: jax.Array  # [S]
-    top_p: jax.Array  # [S]
-    seed: jax.Array  # [S] uint32
     fed_anchor: jax.Array  # [R] int32 the previous round's next_anchor (on the device)
     fed_start: jax.Array  # [R] int32 the previous round's next_start (on the device)
     fed_index: jax.Array  # [S] int32 row of the previous round feeding each row; -1: anchor / start
@@ -56,11 +49,9 @@ class SpecInputs(NamedTuple):
     @classmethod
     def shapes(cls, rows: int, pages: int, slots: int, rounds: int) -> "SpecInputs":
         """Abstract inputs of a round executable: S rows, P-page tables, R feed slots."""
-        s, i32, S = jax.ShapeDtypeStruct, np.int32, rows
-        return cls(anchor=s((S,), i32), start=s((S,), i32), page_table=s((S, pages), i32), live=s((S,), np.bool_),
-                   num_seqs=s((), i32), budget=s((rounds,), i32), temperature=s((S,), np.float32),
-                   top_k=s((S,), i32), top_p=s((S,), np.float32), seed=s((S,), np.uint32),
-                   fed_anchor=s((slots,), i32), fed_start=s((slots,), i32), fed_index=s((S,), i32))
+        s, i32 = jax.ShapeDtypeStruct, np.int32
+        return cls(**RoundBatch.shapes(rows, pages), budget=s((rounds,), i32), fed_anchor=s((slots,), i32),
+                   fed_start=s((slots,), i32), fed_index=s((rows,), i32))
 
 
 FED_FIELDS = ("fed_anchor", "fed_start")  # left on the device by the previous round
@@ -127,8 +118,8 @@ def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCa
     cfg = drafter.config
     G, S = cfg.block_size, inp.anchor.shape[0]
     fed, row = inp.fed_index >= 0, jnp.maximum(inp.fed_index, 0)
-    inp = inp._replace(anchor=jnp.where(fed, inp.fed_anchor[row], inp.anchor),
-                       start=jnp.where(fed, inp.fed_start[row], inp.start))
+    inp = inp.replace(anchor=jnp.where(fed, inp.fed_anchor[row], inp.anchor),
+                      start=jnp.where(fed, inp.fed_start[row], inp.start))
 
     # 1. Draft.
     blk = block_batch(inp, G, cfg.mask_token_id, page_size, dcache.drop_slot)
@@ -176,11 +167,11 @@ def spec_rounds(target_def, drafter_def, target_state, drafter_state, tcache: KV
     chained = jnp.where(inp.live, jnp.arange(S, dtype=jnp.int32), -1)
     outs, step_inp = [], inp
     for j in range(inp.budget.shape[0]):
-        step_inp = step_inp._replace(budget=inp.budget[j])
+        step_inp = step_inp.replace(budget=inp.budget[j])
         out, tcache, dcache = spec_step(target_def, drafter_def, target_state, drafter_state, tcache, dcache,
                                         step_inp, sts_temperatures, **options)
         outs.append(out)
-        step_inp = step_inp._replace(fed_anchor=out.next_anchor, fed_start=out.next_start, fed_index=chained)
+        step_inp = step_inp.replace(fed_anchor=out.next_anchor, fed_start=out.next_start, fed_index=chained)
     stacked = SpecOutputs(*(jnp.stack([getattr(o, f) for o in outs]) for f in RESULT_FIELDS),
                           outs[-1].next_anchor, outs[-1].next_start)
     return stacked, tcache, dcache

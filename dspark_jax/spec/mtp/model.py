@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.config import Qwen3Config
+from dspark_jax.config import LayerShape, Qwen3Config
 from dspark_jax.errors import CheckpointError
 from dspark_jax.kv_cache import KVCache, allocate_kv_cache
 from dspark_jax.layers.norm import RMSNorm
@@ -40,17 +40,9 @@ MODEL_TYPE = "dspark_mtp"
 
 
 @dataclasses.dataclass(frozen=True)
-class MTPConfig:
+class MTPConfig(LayerShape):
     """The target's shape family; the drafter has no choices of its own beyond one layer."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
     attention_bias: bool = False
 
     @classmethod

@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dspark_jax.forward_batch import ForwardBatch
@@ -44,6 +45,7 @@ from dspark_jax.kv_cache import KVCache
 from dspark_jax.spec.mtp.draft import draft_chain, draft_keys
 from dspark_jax.sampling import sample
 from dspark_jax.spec.common.acceptance import verify
+from dspark_jax.spec.common.inputs import RoundBatch, round_inputs
 from dspark_jax.spec.common.packing import front_pack, packed_rows, unpack_rows
 
 _VERIFY_STREAM = 2  # fold_in stream of the acceptance / bonus keys (as the DSpark step's)
@@ -62,17 +64,14 @@ def allocate_pending(num_slots: int, num_steps: int, hidden_size: int, dtype) ->
                    jnp.zeros((num_slots, num_steps + 1), jnp.int32), jnp.zeros((num_slots,), jnp.int32))
 
 
-class MTPInputs(NamedTuple):
-    anchor: jax.Array  # [S] int32 last committed token (not yet in the target cache)
-    start: jax.Array  # [S] int32 its absolute position
-    page_table: jax.Array  # [S, P]
-    live: jax.Array  # [S] bool
-    num_seqs: jax.Array  # [] int32
+@round_inputs
+class MTPInputs(RoundBatch):
     slot: jax.Array  # [S] int32 the request's row of Pending
-    temperature: jax.Array  # [S]
-    top_k: jax.Array  # [S]
-    top_p: jax.Array  # [S]
-    seed: jax.Array  # [S] uint32
+
+    @classmethod
+    def shapes(cls, rows: int, pages: int) -> "MTPInputs":
+        """Abstract inputs of a round executable: S rows, P-page tables."""
+        return cls(**RoundBatch.shapes(rows, pages), slot=jax.ShapeDtypeStruct((rows,), np.int32))
 
 
 class MTPOutputs(NamedTuple):

@@ -95,13 +95,6 @@ class MTPWorker(DraftWorker):
             jax.ShapeDtypeStruct((S,), np.int32))
         return self.executable(("prefill", T, S), lower)
 
-    def _inputs(self, S: int, P: int) -> MTPInputs:
-        s, i32 = jax.ShapeDtypeStruct, np.int32
-        return MTPInputs(anchor=s((S,), i32), start=s((S,), i32), page_table=s((S, P), i32),
-                         live=s((S,), np.bool_), num_seqs=s((), i32), slot=s((S,), i32),
-                         temperature=s((S,), np.float32), top_k=s((S,), i32), top_p=s((S,), np.float32),
-                         seed=s((S,), np.uint32))
-
     def _results_pack(self, S: int):
         s, i32, k = jax.ShapeDtypeStruct, np.int32, self.num_steps
         return self.pack(("results", S), MTPOutputs(drafts=s((S, k), i32), num_accepted=s((S,), i32),
@@ -110,7 +103,7 @@ class MTPWorker(DraftWorker):
 
     def _round_executable(self, T: int, S: int, P: int):
         e = self.engine
-        pack = self.pack(("inputs", S, P), self._inputs(S, P))
+        pack = self.pack(("inputs", S, P), MTPInputs.shapes(S, P))
         lower = lambda: self._round_jit.lower(
             abstract(e.runner.state), abstract(self.drafter_state), *abstract(self._caches()), pack.spec(), (),
             num_tokens=T, pack=pack, out_pack=self._results_pack(S))
