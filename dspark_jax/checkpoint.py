@@ -190,7 +190,24 @@ def load_model(folder: str | Path, *, dtype: str | None = None) -> tuple[Qwen3Co
         lambda p, exp: place(exp, _get(loaded, tuple(k.key for k in p)), p), expected
     )
     nnx.replace_by_pure_dict(abs_state, values)
-    return cfg, nnx.merge(graphdef, abs_state)
+    model = nnx.merge(graphdef, abs_state)
+    n = tokenizer_vocab_size(folder)
+    if n is not None and n < cfg.vocab_size:
+        model.num_tokens = n  # LM-head rows past the tokenizer (padding) must never be produced
+    return cfg, model
+
+
+def tokenizer_vocab_size(folder: str | Path) -> int | None:
+    """Tokens tokenizer.json defines, added tokens included (None without the file)."""
+    path = Path(folder) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    except Exception as e:  # tokenizers raises a bare Exception on parse errors
+        raise CheckpointError(f"{path}: cannot parse tokenizer ({e})") from None
 
 
 def save_model(folder: str | Path, cfg: Qwen3Config, model: Qwen3ForCausalLM, *, dtype: str | None = None) -> None:
