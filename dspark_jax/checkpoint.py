@@ -190,7 +190,24 @@ def load_model(folder: str | Path, *, dtype: str | None = None) -> tuple[Qwen3Co
         lambda p, exp: place(exp, _get(loaded, tuple(k.key for k in p)), p), expected
     )
     nnx.replace_by_pure_dict(abs_state, values)
-    return cfg, nnx.merge(graphdef, abs_state)
+    model = nnx.merge(graphdef, abs_state)
+    n = tokenizer_vocab_size(folder)
+    if n is not None and n < cfg.vocab_size:
+        model.num_tokens = n  # LM-head rows past the tokenizer (padding) must never be produced
+    return cfg, model
+
+
+def tokenizer_vocab_size(folder: str | Path) -> int | None:
+    """Tokens tokenizer.json defines, added tokens included (None without the file)."""
+    path = Path(folder) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    except Exception as e:  # tokenizers raises a bare Exception on parse errors
+        raise CheckpointError(f"{path}: cannot parse tokenizer ({e})") from None
 
 
 def save_model(folder: str | Path, cfg: Qwen3Config, model: Qwen3ForCausalLM, *, dtype: str | None = None) -> None:
@@ -223,3 +240,88 @@ def save_model(folder: str | Path, cfg: Qwen3Config, model: Qwen3ForCausalLM, *,
     d = cfg.to_hf_dict()
     d["torch_dtype"] = "bfloat16" if out_dtype == np.dtype(ml_dtypes.bfloat16) else str(out_dtype)
     (folder / "config.json").write_text(json.dumps(d, indent=2) + "\n")
+
+
+def _has(tree: dict, path: tuple[str, ...]) -> bool:
+    try:
+        _get(tree, path)
+        return True
+    except KeyError:
+        return False
+
+
+def hf_tensors(cfg: Qwen3Config, params: dict):
+    """(Hugging Face name, [out, in] numpy array) of a model's pure-dict params, in checkpoint
+    order, one tensor at a time (layer stacks are sliced, fused projections split)."""
+    def arr(a):
+        return np.asarray(jax.device_get(a))
+
+    yield "model.embed_tokens.weight", arr(params["embed_tokens"]["embedding"])
+    stacks = {}
+    for path, (suffixes, is_kernel) in _LAYER_PARAMS.items():
+        if not _has(params["layers"], path):
+            continue
+        stacked = arr(_get(params["layers"], path))
+        split = np.cumsum(_output_split(path, cfg))[:-1] if len(suffixes) > 1 else []
+        stacks[path] = (suffixes, is_kernel, stacked, split)
+    for i in range(cfg.num_hidden_layers):
+        for suffixes, is_kernel, stacked, split in stacks.values():
+            parts = np.split(stacked[i], split, axis=-1) if len(suffixes) > 1 else [stacked[i]]
+            for sfx, part in zip(suffixes, parts):
+                yield f"model.layers.{i}.{sfx}", np.ascontiguousarray(part.T if is_kernel else part)
+    yield "model.norm.weight", arr(params["norm"]["weight"])
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", np.ascontiguousarray(arr(params["lm_head"]["kernel"]).T)
+
+
+def write_hf_checkpoint(folder: str | Path, cfg: Qwen3Config, params: dict, *, max_shard_bytes: int = 5 * 10**9,
+                        progress: bool = False) -> list[Path]:
+    """config.json + safetensors in the Hugging Face layout from pure-dict params (numpy or jax,
+    already in the storage dtype): one model.safetensors, or shards of at most max_shard_bytes
+    (a single larger tensor gets a shard of its own) with model.safetensors.index.json."""
+    from tqdm.auto import tqdm
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    n_layer = sum(len(sfx) for path, (sfx, _) in _LAYER_PARAMS.items() if _has(params["layers"], path))
+    n_tensors = 2 + cfg.num_hidden_layers * n_layer + (not cfg.tie_word_embeddings)
+    written: list[tuple[Path, list[str]]] = []
+    cur: dict[str, np.ndarray] = {}
+    cur_bytes = total = 0
+    dtype = None
+
+    def flush():
+        nonlocal cur, cur_bytes
+        if cur:
+            tmp = folder / f"model-{len(written) + 1:05d}.safetensors.part"
+            save_file(cur, str(tmp), metadata={"format": "pt"})
+            written.append((tmp, list(cur)))
+        cur, cur_bytes = {}, 0
+
+    for name, a in tqdm(hf_tensors(cfg, params), total=n_tensors, desc="write target", unit="tensor",
+                        disable=not progress):
+        dtype = a.dtype if dtype is None else dtype
+        if cur and cur_bytes + a.nbytes > max_shard_bytes:
+            flush()
+        cur[name] = a
+        cur_bytes += a.nbytes
+        total += a.nbytes
+    flush()
+    files = []
+    if len(written) == 1:
+        dst = folder / SINGLE_FILE
+        written[0][0].rename(dst)
+        files.append(dst)
+    else:
+        weight_map = {}
+        for k, (tmp, names) in enumerate(written):
+            dst = folder / f"model-{k + 1:05d}-of-{len(written):05d}.safetensors"
+            tmp.rename(dst)
+            files.append(dst)
+            weight_map.update({n: dst.name for n in names})
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    d = cfg.to_hf_dict()
+    d["torch_dtype"] = "bfloat16" if dtype == np.dtype(ml_dtypes.bfloat16) else str(dtype)
+    (folder / "config.json").write_text(json.dumps(d, indent=2) + "\n")
+    return files

@@ -187,9 +187,13 @@ class ForwardOutput(NamedTuple):
 
 
 class Qwen3ForCausalLM(nnx.Module):
-    def __init__(self, cfg: Qwen3Config, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
+    def __init__(self, cfg: Qwen3Config, *, dtype=jnp.bfloat16, rngs: nnx.Rngs, num_tokens: int | None = None):
+        """num_tokens: the tokenizer's vocabulary size when the LM head is wider (padded rows, as
+        real Qwen3 checkpoints have): logits of ids at or past it are -inf, so no path ever
+        produces them.  A static attribute (the loader sets it from tokenizer.json)."""
         self.config = cfg
         self.dtype = dtype
+        self.num_tokens = cfg.vocab_size if num_tokens is None else int(num_tokens)
         self.embed_tokens = nnx.Embed(
             cfg.vocab_size,
             cfg.hidden_size,
@@ -223,11 +227,16 @@ class Qwen3ForCausalLM(nnx.Module):
         return LayerStacks(**out)
 
     def logits(self, h: jax.Array) -> jax.Array:
-        """LM head on final-normed hidden states, in fp32."""
+        """LM head on final-normed hidden states, in fp32; ids past ``num_tokens`` get -inf after
+        the full-width GEMM (which thus costs what the checkpoint's head costs)."""
         if self.lm_head is None:
             w = self.embed_tokens.embedding[...]
-            return jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
-        return self.lm_head(h).astype(jnp.float32)
+            out = jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
+        else:
+            out = self.lm_head(h).astype(jnp.float32)
+        if self.num_tokens < out.shape[-1]:
+            out = out.at[..., self.num_tokens:].set(-jnp.inf)
+        return out
 
     def __call__(
         self,
