@@ -9,7 +9,6 @@ never produced, and impossible expansions are refused without writing anything.
 from __future__ import annotations
 
 import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +24,8 @@ from dspark_jax.models.qwen3 import forward_dense
 from dspark_jax.sampling import SamplingParams, sample
 from dspark_jax.spec.dspark.checkpoint import load_drafter
 from dspark_jax.spec.dspark.model import block_visibility_mask, sample_block
+from dspark_jax.spec.config import SpeculativeConfig
+from dspark_jax.spec.dspark.cost_model import AdditiveCostTable
 from dspark_jax.spec.mtp.model import load_mtp
 
 pytestmark = pytest.mark.skipif(not (EMBEDDED_DRAFTER / "dspark_config.json").exists(),
@@ -33,23 +34,23 @@ pytestmark = pytest.mark.skipif(not (EMBEDDED_DRAFTER / "dspark_config.json").ex
 SHAPE = dict(hidden_size=448, head_dim=128, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=1536,
              vocab_size=10000, drafter_layers=4, tie_word_embeddings=False)
 N_TOK = 8192  # the embedded tokenizer's vocabulary
-# one decode executable for greedy and sampled batches (sampling_variants off): fewer compiles
-EC = EngineConfig(max_running_requests=4, max_model_len=128, max_prefill_tokens=64, precompile=False, dtype="float32",
-                  sampling_variants=False)
+EC = EngineConfig(max_running_requests=4, max_model_len=128, max_prefill_tokens=64, precompile=False, dtype="float32")
 PAD = 64  # dense forwards run on sequences padded to this length (causal: the padding is never seen)
 PROMPTS = ["Question: A farmer has 17 sheep and buys 25 more. How many sheep does he have?\nSolution:",
            "def merge_sorted(a, b):\n", "The moon rose over the quiet harbour, and"]
 
 
-def speculative_engine(kind: str, target, tokenizer, drafter, ec: EngineConfig, sts=None):
-    """The one place that builds a speculative engine from in-memory models (its API is moving)."""
-    if kind == "mtp":
-        from dspark_jax.spec.mtp.engine import MTPEngine
+# A staircase cost table under which compact really trims (a verified token costs as much as the rest).
+TRIMMING = AdditiveCostTable(bias_seconds=1e-3, bs_probes=[1, 4], alpha_seconds=[0.0, 1e-4], m_probes=[0, 4, 32],
+                             theta_seconds=[0.0, 2e-3, 2e-2])
 
-        return MTPEngine(target, tokenizer, drafter, ec, num_steps=3)
-    from dspark_jax.spec.dspark.engine import SpeculativeConfig, SpeculativeEngine
 
-    return SpeculativeEngine(target, tokenizer, drafter, ec, SpeculativeConfig(mode="static", sts=sts))
+def speculative_engine(kind: str, target, tokenizer, drafter, ec: EngineConfig) -> Engine:
+    """A speculative engine over in-memory models: DSpark static or compact (with a trimming
+    cost table), or MTP 3-1-4."""
+    spec = (SpeculativeConfig(algorithm="mtp", num_steps=3) if kind == "mtp" else
+            SpeculativeConfig(mode=kind, cost_table=TRIMMING if kind == "compact" else None))
+    return Engine(target, tokenizer, ec, drafter=drafter, spec=spec)
 
 
 def _real_logits_close(small, big):
@@ -263,17 +264,18 @@ def test_other_markov_heads_map_exactly(small, kind):
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not os.environ.get("DSPARK_TEST_EXPAND_E2E"),
-                    reason="the speculative engines compile for over a minute on a cold CPU; set DSPARK_TEST_EXPAND_E2E=1")
-@pytest.mark.parametrize("kind", ["dspark", "mtp"])
+@pytest.mark.parametrize("kind", ["static", "compact", "mtp"])
 def test_speculative_engines_commit_the_plain_tokens(pair, ids, engine, kind):
-    greedy = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+    greedy = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
     plain = [r.token_ids for r in engine.generate(ids, greedy)]
-    drafter = pair.drafter if kind == "dspark" else pair.mtp
+    drafter = pair.mtp if kind == "mtp" else pair.drafter
     spec = speculative_engine(kind, pair.target, pair.tokenizer, drafter, EC)
     res = spec.generate(ids, greedy)
     assert [r.token_ids for r in res] == plain
     assert max(a for r in res for a in r.stats["spec"]["accept_lens"]) > 2  # the trained drafts are accepted
+    if kind == "compact":  # the table made the scheduler trim some windows
+        shortest = min(min(i for i, n in enumerate(r.stats["spec"]["window_histogram"]) if n) for r in res)
+        assert shortest < pair.drafter.config.block_size + 1
 
 
 # -- folders ------------------------------------------------------------------------------------
