@@ -62,7 +62,7 @@ for stage in $STAGES; do
       tail -n 12 "$OUT/decode_arm.log"
       ;;
     norm)
-      timeout 150 "$PYTHON" benchmarks/bench_fused_add_rms_norm.py --tune --out-dir "$OUT" > "$OUT/norm.log" 2>&1 \
+      timeout 150 "$PYTHON" benchmarks/bench_fused_add_rms_norm.py --out-dir "$OUT" > "$OUT/norm.log" 2>&1 \
           || echo "fused norm bench failed"
       tail -n 20 "$OUT/norm.log"
       ;;
