@@ -120,8 +120,8 @@ def block_config(
     num_sms: int | None = None,
 ) -> BlockConfig:
     """Pure function of static shapes (and the SM count, default the current device's): the
-    launch geometry the kernel uses.  The rules, each the faster arm measured on the H200 (bf16,
-    head_dim 128, page size 16):
+    launch geometry the kernel uses.  The bf16 rules are the faster arms measured on the H200
+    (head_dim 128, page size 16); fp32 (tests, reference checks) is not tuned.
 
     * q tile: ``block_q`` query tokens, the average query length rounded up to a power of two,
       at most ``MAX_BLOCK_M`` rows and at least 16.  Short verify windows (<= SPLIT_Q_MAX_TOKENS
@@ -132,8 +132,7 @@ def block_config(
     * KV tile and Triton parameters: bf16 decode (16-row tiles) and large batches use 128-token
       tiles; wide bf16 tiles for <= SMALL_BATCH_SEQS sequences use 64-token tiles and prefetch
       the next tile's page ids, so no K/V address waits on a load of its own iteration.
-      4 warps / 3 stages for bf16; fp32 (tests, reference checks) 32-token tiles, 8 warps /
-      2 stages for wide tiles.
+      4 warps / 3 stages for bf16; fp32 takes 32-token tiles, 2 stages, 8 warps for wide tiles.
     * Flash-decoding splits only when ``q blocks x Hkv`` programs are fewer than the SMs: enough
       for SPLIT_TARGET_WAVES programs per SM, each covering >= MIN_SPLIT_TOKENS KV tokens
       (counted in tokens so 64- and 128-token tiles split a context alike), at most MAX_SPLITS.
