@@ -120,10 +120,8 @@ def run_check(rng, interpret, smoke) -> list[dict]:
 def us_per_call(fn, args, layer, n):
     """Device us per call of one jitted write (caches donated and handed back to the next call,
     as the engine's step does), from the GPU kernels' durations in a profiler trace
-    (benchmarks.common.device_us_per_call).  The first H200 runs timed chains instead and
-    measured the chain: inside a while loop 8-17 us per call for both arms against 3-4 us for
-    the kernel in the decode step's profile (69bf0e8), and an unrolled chain let XLA merge its
-    64 pure writes into fewer kernels (53d9908)."""
+    (benchmarks.common.device_us_per_call): a chain of writes in one executable times the loop,
+    or lets XLA merge the writes, rather than one write."""
     f = jax.jit(fn, donate_argnums=(0, 1))
     state, rest = list(args[:2]), args[2:]
 

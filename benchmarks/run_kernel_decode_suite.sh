@@ -7,10 +7,8 @@
 #            once per attention backend in PROFILE_BACKENDS (pallas reference), with PROFILE_ARGS:
 #            slow kernels vs gaps between kernels
 #   decode   benchmarks/bench_decode.py at DECODE_BATCHES (chained and synced step times, HBM floor)
-#   ratio    verify / decode cost of the kernel's options (RATIO_ARMS) over RATIO_BATCHES x
-#            RATIO_CONTEXTS (benchmarks/bench_ragged_paged_attention.py --ratio), for at most
-#            RATIO_TIME seconds or until the budget runs out
-#   bench    the full kernel benchmark (bench_ragged_paged_attention.py --bench --defaults)
+#   bench    the attention kernel's GPU check, then its decode / verify timings against XLA
+#            (benchmarks/bench_ragged_paged_attention.py), until the budget runs out
 #   norm     the fused residual-add + RMSNorm kernel against XLA (benchmarks/bench_fused_add_rms_norm.py)
 #   kvwrite  the K/V write from the qkv projection against XLA, GPU check first (benchmarks/bench_kv_write.py)
 #   decode_arm  the decode benchmark at DECODE_BATCHES with ARM_ARGS, tagged ARM_TAG (default: the
@@ -24,16 +22,12 @@ cd "$(dirname "$0")/.."
 T0=$(date +%s)
 BUDGET=${BUDGET:-585}
 OUT=${OUT:-runs/kernel-decode-suite}
-STAGES=${STAGES:-profile decode ratio}
+STAGES=${STAGES:-profile decode bench}
 DECODE_BATCHES=${DECODE_BATCHES:-1 4 16}
-RATIO_ARMS=${RATIO_ARMS:-w4s3,flat_vec,carry_bn64,combo}
-RATIO_CONTEXTS=${RATIO_CONTEXTS:-8192 32768 2048 512 4096 16384}
-RATIO_BATCHES=${RATIO_BATCHES:-4 16 1}
 PROFILE_BACKENDS=${PROFILE_BACKENDS:-pallas reference}
 ARM_ARGS=${ARM_ARGS:---norm-backend reference --kv-write-backend reference}
 ARM_TAG=${ARM_TAG:-_xla}
 PROFILE_ARGS=${PROFILE_ARGS:-}  # e.g. --sequence 40 --norm-backend pallas
-RATIO_TIME=${RATIO_TIME:-600}  # at most this many seconds for the ratio stage
 . benchmarks/suite_env.sh
 
 for stage in $STAGES; do
@@ -53,17 +47,9 @@ for stage in $STAGES; do
           --out-dir "$OUT" > "$OUT/decode.log" 2>&1 || echo "decode cut short or failed"
       tail -n 12 "$OUT/decode.log"
       ;;
-    ratio)
-      t=$(( $(left) - 10 )); t=$(( t < RATIO_TIME ? t : RATIO_TIME ))
-      # shellcheck disable=SC2086
-      timeout "$t" "$PYTHON" benchmarks/bench_ragged_paged_attention.py --ratio --ratio-deadline $((t - 45)) \
-          --arms "$RATIO_ARMS" --ratio-batches $RATIO_BATCHES --ratio-contexts $RATIO_CONTEXTS \
-          --out "$OUT" --git-commit "$GIT_COMMIT" > "$OUT/kernel_ratio.log" 2>&1 || echo "kernel ratio cut short or failed"
-      tail -n 40 "$OUT/kernel_ratio.log"
-      ;;
     bench)
       t=$(( $(left) - 10 ))
-      timeout "$t" "$PYTHON" benchmarks/bench_ragged_paged_attention.py --check --bench --defaults \
+      timeout "$t" "$PYTHON" benchmarks/bench_ragged_paged_attention.py --check --bench \
           --deadline $((t - 60)) --out "$OUT" --git-commit "$GIT_COMMIT" > "$OUT/kernel_bench.log" 2>&1 \
           || echo "kernel bench cut short or failed"
       tail -n 30 "$OUT/kernel_bench.log"
@@ -76,7 +62,7 @@ for stage in $STAGES; do
       tail -n 12 "$OUT/decode_arm.log"
       ;;
     norm)
-      timeout 150 "$PYTHON" benchmarks/bench_fused_add_rms_norm.py --tune --out-dir "$OUT" > "$OUT/norm.log" 2>&1 \
+      timeout 150 "$PYTHON" benchmarks/bench_fused_add_rms_norm.py --out-dir "$OUT" > "$OUT/norm.log" 2>&1 \
           || echo "fused norm bench failed"
       tail -n 20 "$OUT/norm.log"
       ;;

@@ -72,11 +72,7 @@ def test_reference_is_the_models_norm_rope_and_scatter(dtype):
 
     want = model_path(*args)
     got = _reference(*args, num_q_heads=H, eps=EPS, layer=2, q_norm_weight=qw)
-    assert len(got) == 3
-    for g, e in zip(got, want):
-        np.testing.assert_array_equal(_f32(g), _f32(e))
-    # without q_norm_weight: the caches alone, the same ones
-    for g, e in zip(_reference(*args, num_q_heads=H, eps=EPS, layer=2), want[:2], strict=True):
+    for g, e in zip(got, want, strict=True):
         np.testing.assert_array_equal(_f32(g), _f32(e))
 
 
@@ -131,10 +127,6 @@ def test_kernel_matches_reference(T, H, Hk, D, dtype, layers, pad):
     got = write_kv_from_qkv(*args, num_q_heads=H, eps=EPS, layer=layer, q_norm_weight=qw, interpret=True)
     assert got[2].shape == (T, H, D) and got[2].dtype == dtype
     _assert_rows_close(_f32(got[2]), _f32(want[2]), dtype)
-    # without q: the same caches
-    for g, e in zip(write_kv_from_qkv(*args, num_q_heads=H, eps=EPS, layer=layer, interpret=True), got[:2],
-                    strict=True):
-        np.testing.assert_array_equal(_f32(g), _f32(e))
     for name, g, e, before in zip("kv", got, want, args[:2]):
         g, e = _f32(g), _f32(e)
         assert g.shape == e.shape and g.dtype == e.dtype
@@ -153,14 +145,16 @@ def test_kernel_traced_layer_under_jit_and_scan():
     rng = np.random.default_rng(3)
     H, Hk, D, L = 4, 2, 32, 3
     k_pages, v_pages, qkv, w, cos, sin, slots = _case(rng, 4, H, Hk, D, jnp.float32, layers=L)
+    qw = w[::-1]
 
     def run(fn):
         def body(carry, layer):
-            return fn(*carry, qkv, w, cos, sin, slots, layer), None
+            return fn(*carry, qkv, w, cos, sin, slots, layer)[:2], None
         return jax.jit(lambda kp, vp: jax.lax.scan(body, (kp, vp), jnp.arange(L, dtype=jnp.int32))[0])(k_pages, v_pages)
 
-    got = run(lambda *a: write_kv_from_qkv(*a[:7], num_q_heads=H, eps=EPS, layer=a[7], interpret=True))
-    want = run(lambda *a: write_kv_from_qkv_reference(*a[:7], num_q_heads=H, eps=EPS, layer=a[7]))
+    got = run(lambda *a: write_kv_from_qkv(*a[:7], num_q_heads=H, eps=EPS, q_norm_weight=qw, layer=a[7],
+                                           interpret=True))
+    want = run(lambda *a: write_kv_from_qkv_reference(*a[:7], num_q_heads=H, eps=EPS, q_norm_weight=qw, layer=a[7]))
     for g, e in zip(got, want):
         np.testing.assert_allclose(_f32(g), _f32(e), rtol=1e-6, atol=1e-6)
     # a [L, D] stack of k-norm weights indexed by the same layer: layer l uses row l
@@ -168,12 +162,13 @@ def test_kernel_traced_layer_under_jit_and_scan():
 
     def per_layer(fn):
         def body(carry, layer):
-            return fn(*carry, qkv, stack, cos, sin, slots, layer), None
+            return fn(*carry, qkv, stack, cos, sin, slots, layer)[:2], None
         return jax.jit(lambda kp, vp: jax.lax.scan(body, (kp, vp), jnp.arange(L, dtype=jnp.int32))[0])(k_pages, v_pages)
 
-    got = per_layer(lambda *a: write_kv_from_qkv(*a[:7], num_q_heads=H, eps=EPS, layer=a[7], interpret=True))
+    got = per_layer(lambda *a: write_kv_from_qkv(*a[:7], num_q_heads=H, eps=EPS, q_norm_weight=stack, layer=a[7],
+                                                 interpret=True))
     sliced = per_layer(lambda *a: write_kv_from_qkv_reference(*a[:3], a[3][a[7]], *a[4:7], num_q_heads=H, eps=EPS,
-                                                              layer=a[7]))
+                                                              q_norm_weight=a[3][a[7]], layer=a[7]))
     for g, e in zip(got, sliced):
         np.testing.assert_allclose(_f32(g), _f32(e), rtol=1e-6, atol=1e-6)
     assert not np.allclose(_f32(got[0][0])[~np.isnan(_f32(got[0][0]))], _f32(want[0][0])[~np.isnan(_f32(want[0][0]))])
@@ -184,20 +179,21 @@ def test_bad_inputs_are_clear_errors():
     k_pages, v_pages, qkv, w, cos, sin, slots = _case(rng, 3, 4, 2, 16, jnp.float32)
     kw = dict(num_q_heads=4, eps=EPS, interpret=True)
     with pytest.raises(ValueError, match="qkv"):
-        write_kv_from_qkv(k_pages, v_pages, qkv[:, :-16], w, cos, sin, slots, **kw)
+        write_kv_from_qkv(k_pages, v_pages, qkv[:, :-16], w, cos, sin, slots, q_norm_weight=w, **kw)
     with pytest.raises(ValueError, match="k_norm_weight"):
-        write_kv_from_qkv(k_pages, v_pages, qkv, w[:8], cos, sin, slots, **kw)
+        write_kv_from_qkv(k_pages, v_pages, qkv, w[:8], cos, sin, slots, q_norm_weight=w, **kw)
     with pytest.raises(ValueError, match="q_norm_weight"):
         write_kv_from_qkv(k_pages, v_pages, qkv, w, cos, sin, slots, q_norm_weight=w[:8], **kw)
     with pytest.raises(ValueError, match="q_norm_weight"):
         write_kv_from_qkv_reference(k_pages, v_pages, qkv, w, cos, sin, slots, num_q_heads=4, eps=EPS,
                                     q_norm_weight=w[:8])
     with pytest.raises(ValueError, match="cos"):
-        write_kv_from_qkv(k_pages, v_pages, qkv, w, cos[:2], sin, slots, **kw)
+        write_kv_from_qkv(k_pages, v_pages, qkv, w, cos[:2], sin, slots, q_norm_weight=w, **kw)
     with pytest.raises(ValueError, match="page shapes"):
-        write_kv_from_qkv(k_pages, v_pages, qkv, w, cos, sin, slots, layer=0, **kw)  # 4-D cache
+        write_kv_from_qkv(k_pages, v_pages, qkv, w, cos, sin, slots, q_norm_weight=w, layer=0, **kw)  # 4-D cache
     with pytest.raises(ValueError, match="qkv"):
-        write_kv_from_qkv_reference(k_pages, v_pages, qkv[:, :-16], w, cos, sin, slots, num_q_heads=4, eps=EPS)
+        write_kv_from_qkv_reference(k_pages, v_pages, qkv[:, :-16], w, cos, sin, slots, num_q_heads=4, eps=EPS,
+                                    q_norm_weight=w)
 
 
 def test_tile_shapes_and_triton_lowering():
@@ -209,14 +205,13 @@ def test_tile_shapes_and_triton_lowering():
             for name, shape in tile_shapes(Hk, D, num_q_heads=3 * Hk).items():
                 assert all(s >= 1 and s & (s - 1) == 0 for s in shape), (name, shape)
     sd = jax.ShapeDtypeStruct
-    for T, H, Hk, D, L, with_q in ((1, 32, 8, 128, 36, True), (512, 32, 8, 128, 36, True),
-                                   (1, 32, 8, 128, 36, False), (7, 12, 3, 64, None, True)):
+    for T, H, Hk, D, L in ((1, 32, 8, 128, 36), (512, 32, 8, 128, 36), (7, 12, 3, 64, None)):
         cache = sd(((L,) if L else ()) + (64, 16, Hk, D), jnp.bfloat16)
         weight = sd((L, D) if L else (D,), jnp.bfloat16)
 
         def f(kp, vp, qkv, w, cos, sin, slots, layer, qw):
             return write_kv_from_qkv(kp, vp, qkv, w, cos, sin, slots, num_q_heads=H, eps=EPS,
-                                     layer=layer if L else None, q_norm_weight=qw if with_q else None)
+                                     layer=layer if L else None, q_norm_weight=qw)
 
         text = cuda_lowering_text(f, cache, cache, sd((T, (H + 2 * Hk) * D), jnp.bfloat16), weight,
                                   sd((T, D), jnp.float32), sd((T, D), jnp.float32), sd((T,), jnp.int32),
@@ -233,8 +228,9 @@ def test_op_dispatch_and_fallback():
         resolve_backend("triton", 64)
     rng = np.random.default_rng(5)
     args = _case(rng, 4, 4, 2, 16, jnp.float32)
-    want = _reference(*args, num_q_heads=4, eps=EPS)
+    qw = args[3][::-1]
+    want = _reference(*args, num_q_heads=4, eps=EPS, q_norm_weight=qw)
     for backend in ("pallas", "reference"):
-        got = write_kv_from_qkv_op(*args, num_q_heads=4, eps=EPS, backend=backend)
-        for g, e in zip(got, want):
+        got = write_kv_from_qkv_op(*args, num_q_heads=4, eps=EPS, q_norm_weight=qw, backend=backend)
+        for g, e in zip(got, want, strict=True):
             np.testing.assert_allclose(_f32(g), _f32(e), rtol=1e-6, atol=1e-6)

@@ -1,12 +1,9 @@
 """Fused residual add + RMSNorm (``new_residual = x + residual``, ``normed = rms_norm(new_residual)``).
 
 One kernel instead of XLA's add / mean-square / normalise kernels around every decoder norm (see
-``kernel.py`` for why and how).
-
-Backend fallback: the Pallas kernel holds a whole row in one Triton tile, so it needs a
-power-of-two row width ``d`` (``kernel_supports``).  For any other ``d`` (the project's tiny
-default model has d = 320) ``fused_add_rms_norm_op(..., backend="pallas")`` silently uses the
-jnp reference instead, which has the same semantics; XLA then compiles it as usual.
+``kernel.py``).  The kernel holds a whole row in one Triton tile, so it needs a power-of-two row
+width ``d`` (``kernel_supports``); for any other ``d`` (the tiny default model's 320)
+``backend="pallas"`` uses the jnp reference, which has the same semantics.
 """
 
 from __future__ import annotations
@@ -17,7 +14,6 @@ from pallas_kernels.fused_add_rms_norm.kernel import (
     MAX_D,
     MIN_TILE_ELEMENTS,
     TileConfig,
-    default_num_warps,
     fused_add_rms_norm,
     kernel_supports,
     tile_config,
@@ -43,7 +39,6 @@ def fused_add_rms_norm_op(
     layer=None,
     backend: str = "pallas",
     interpret: bool | None = None,
-    **kernel_kwargs,
 ):
     """Dispatch to the Pallas kernel or the jnp reference (same signature and semantics).
 
@@ -51,14 +46,12 @@ def fused_add_rms_norm_op(
     runs in interpret mode unless ``interpret`` says otherwise; falls back to the reference when
     ``d`` is not a power of two), "reference", or "auto" (pallas on GPU, else reference).
     ``weight`` is ``[d]``, or a stack ``[L, d]`` with ``layer`` naming the row (read in place
-    by the kernel).  ``kernel_kwargs`` (block_rows, num_warps, num_stages) go to the kernel.
+    by the kernel).
     """
     impl = resolve_backend(backend, x.shape[-1])
     if impl == "reference":
         return fused_add_rms_norm_reference(x, residual, weight, eps=eps, layer=layer)
-    return fused_add_rms_norm(
-        x, residual, weight, eps=eps, layer=layer, interpret=interpret_default(interpret), **kernel_kwargs
-    )
+    return fused_add_rms_norm(x, residual, weight, eps=eps, layer=layer, interpret=interpret_default(interpret))
 
 
 __all__ = [
@@ -66,7 +59,6 @@ __all__ = [
     "MAX_D",
     "MIN_TILE_ELEMENTS",
     "TileConfig",
-    "default_num_warps",
     "fused_add_rms_norm",
     "fused_add_rms_norm_op",
     "fused_add_rms_norm_reference",

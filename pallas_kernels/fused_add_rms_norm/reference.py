@@ -5,9 +5,8 @@ Every pre-norm decoder block does, twice per layer::
     h = x + residual                 # residual stream update, in the activation dtype
     normed = rms_norm(h, weight)     # input of the next attention / MLP
 
-Left to XLA this is several small kernels per norm (the add, the mean-square reduction, the
-normalise-and-scale), each launch-bound at batch-1 decode sizes.  The Pallas kernel in
-``kernel.py`` does it in one pass; this module pins down what "the same" means.
+The Pallas kernel in ``kernel.py`` does it in one pass; this module pins down what "the same"
+means.
 
 Semantics (identical, op for op, to ``dspark_jax.layers.norm.rms_norm`` applied to ``h``; the
 definition is repeated here so that ``pallas_kernels`` does not import ``dspark_jax``):

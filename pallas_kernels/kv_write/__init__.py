@@ -1,8 +1,8 @@
-"""K/V cache write straight from the fused qkv projection (k norm + rope + scatter of k and v,
-and optionally q's norm + rope, the attention's query).
+"""K/V cache write straight from the fused qkv projection (q and k norm + rope, scatter of k and
+v), returning the attention's query.
 
 ``write_kv_from_qkv_op`` dispatches to the Pallas kernel (``kernel.py``) or the jnp reference
-(``reference.py``); both take the same arguments and return the updated caches (and q).
+(``reference.py``); both take the same arguments and return the updated caches and q.
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ def resolve_backend(backend: str, head_dim: int) -> str:
 
 
 def write_kv_from_qkv_op(k_pages, v_pages, qkv, k_norm_weight, cos, sin, slot_mapping, *, num_q_heads: int,
-                         eps: float, layer=None, q_norm_weight=None, backend: str = "pallas",
+                         eps: float, q_norm_weight, layer=None, backend: str = "pallas",
                          interpret: bool | None = None):
-    """Updated ``(k_pages, v_pages)`` (and q, given ``q_norm_weight``) through the chosen backend
-    (see ``resolve_backend``); off the GPU the kernel runs in interpret mode unless
-    ``interpret`` says otherwise."""
+    """``(k_pages, v_pages, q)`` through the chosen backend (see ``resolve_backend``); off the GPU
+    the kernel runs in interpret mode unless ``interpret`` says otherwise."""
     args = (k_pages, v_pages, qkv, k_norm_weight, cos, sin, slot_mapping)
     kw = dict(num_q_heads=num_q_heads, eps=eps, layer=layer, q_norm_weight=q_norm_weight)
     if resolve_backend(backend, k_pages.shape[-1]) == "reference":

@@ -2,35 +2,24 @@
 
 Same semantics as ``reference.write_kv_from_qkv_reference`` (read its docstring).
 
-Why: in the batch-1 decode step of a Qwen3-8B-shaped model XLA spends six small kernels per
-layer between the qkv GEMM and the attention kernel (the q/k norm reduction, the q slice with
-norm and rope, and for k and for v a select -- the norm and rope fused into the bounds check of
-the one-row scatter -- plus a dynamic update slice; benchmarks/results/
-decode_profile_qwen3-8b_bs1_pallas_fusednorm_194fac9.md), each ~1-2.5 us plus a launch gap.
-This kernel reads the k and v columns of the qkv row itself, norms and rotates k, and stores
-both into their cache slot: the four k / v kernels become one.  Given q's norm weight it also
-norms and rotates q (the attention's query, a [T, Hq, D] output), which takes q's two kernels
-out too (the first GPU profile with the k / v part alone, decode_profile_qwen3-8b_bs1_pallas
-_kvwrite_2847a47.md, still showed them at ~2.5 us per layer).
+Why: left to XLA, the q / k norms and rope and the k and v scatters between the qkv GEMM and the
+attention kernel are several launch-bound kernels per layer at decode sizes; this kernel reads
+the qkv row itself, norms and rotates q and k, and stores k and v into their cache slot.
 
 Design:
 
-* Grid ``(T, 1)``, or ``(T, 1 + n_q)`` with q: program ``(t, n_q)`` owns token ``t``'s
-  ``[Hkv, D]`` k and v tiles, programs ``(t, j < n_q)`` each a tile of q heads as large as the
-  kv tile (heads padded to a power of two and masked; ``D`` must be a power of two).  One
-  program doing all 32 q heads of the 8B shape made the launch 4.1 us against 2.4 us for k / v
-  alone (decode_profile_qwen3-8b_bs1_pallas_fused_69bf0e8.md): a batch-1 program is a latency
-  chain, so the q work goes to programs of its own that run beside it.  No BlockSpecs: every input is a
-  whole array indexed in-kernel (like the attention kernel), so the caches can stay stacked
-  ``[L, N, page_size, Hkv, D]`` and be indexed with the layer scalar, the norm weights can be
-  the ``[L, D]`` stacks of all layers (XLA copies a layer slice handed to a custom call into a
-  buffer of its own first), and no slice of the qkv row is ever copied out for the call.
+* Grid ``(T, 1 + n_q)``: program ``(t, n_q)`` owns token ``t``'s ``[Hkv, D]`` k and v tiles,
+  programs ``(t, j < n_q)`` each a tile of q heads as large as the kv tile (heads padded to a
+  power of two and masked; ``D`` must be a power of two), so the q work runs beside the k / v
+  program instead of lengthening its latency chain.
+* No BlockSpecs: every input is a whole array indexed in-kernel, so the caches stay stacked
+  ``[L, N, page_size, Hkv, D]`` and the norm weights ``[L, D]``, indexed with the layer scalar
+  (XLA would copy a layer slice handed to a custom call), and no slice of qkv is copied out.
 * rotate_half without a shuffle: the kernel loads a head row a second time at the permuted
-  columns ``(d + D/2) mod D`` (and the weight likewise) and applies the sign, which gives
-  exactly the reference's ``concat(-x[D/2:], x[:D/2])`` after the per-head norm (the rsqrt
-  factor is per head, so it applies to both loads).
-* The caches are aliased input -> output (``input_output_aliases``): with the engine's donated
-  buffers XLA updates them in place and the kernel writes only the T rows it owns.
+  columns ``(d + D/2) mod D`` (and the weight likewise) and applies the sign, which gives the
+  reference's ``concat(-x[D/2:], x[:D/2])`` after the per-head norm.
+* The caches are aliased input -> output: with donated buffers XLA updates them in place and the
+  kernel writes only the T rows it owns.
 * ``num_warps`` 4, ``num_stages`` 1 (nothing loops), passed explicitly so jax 0.10.2 and 0.11.x
   both lower with the Triton backend.
 """
@@ -55,13 +44,11 @@ def kernel_supports(head_dim: int) -> bool:
     return head_dim >= 2 and head_dim & (head_dim - 1) == 0
 
 
-def tile_shapes(num_kv_heads: int, head_dim: int, num_q_heads: int | None = None) -> dict[str, tuple[int, ...]]:
-    """Every tensor shape the GPU path builds (all must be powers of two); "q" with q heads."""
+def tile_shapes(num_kv_heads: int, head_dim: int, num_q_heads: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor shape the GPU path builds (all must be powers of two)."""
     hp = _next_pow2(num_kv_heads)
-    shapes = {"k": (hp, head_dim), "v": (hp, head_dim), "weight": (head_dim,), "cos": (1, head_dim)}
-    if num_q_heads is not None:
-        shapes["q"] = (_q_tile(num_q_heads, num_kv_heads), head_dim)
-    return shapes
+    return {"k": (hp, head_dim), "v": (hp, head_dim), "weight": (head_dim,), "cos": (1, head_dim),
+            "q": (_q_tile(num_q_heads, num_kv_heads), head_dim)}
 
 
 def _q_tile(num_q_heads: int, num_kv_heads: int) -> int:
@@ -70,7 +57,7 @@ def _q_tile(num_q_heads: int, num_kv_heads: int) -> int:
     return min(_next_pow2(num_q_heads), _next_pow2(num_kv_heads))
 
 
-def _kernel(layer_ref, slot_ref, qkv_ref, w_ref, qw_ref, cos_ref, sin_ref, _k_in, _v_in, k_ref, v_ref, q_ref=None,
+def _kernel(layer_ref, slot_ref, qkv_ref, w_ref, qw_ref, cos_ref, sin_ref, _k_in, _v_in, k_ref, v_ref, q_ref,
             *, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, eps: float,
             stacked: bool, weight_stacked: bool):
     H, Hk, D = num_q_heads, num_kv_heads, head_dim
@@ -125,9 +112,6 @@ def _kernel(layer_ref, slot_ref, qkv_ref, w_ref, qw_ref, cos_ref, sin_ref, _k_in
         pltriton.store(k_ref.at[idx], k_out.astype(k_ref.dtype), mask=mask)
         pltriton.store(v_ref.at[idx], v.astype(v_ref.dtype), mask=mask)
 
-    if q_ref is None:
-        write_kv()
-        return
     # programs (t, j < n_q) own q heads [j * tile, (j + 1) * tile); program (t, n_q) owns k / v
     tile = _q_tile(H, Hk)
     n_q = -(-H // tile)
@@ -152,12 +136,12 @@ def write_kv_from_qkv(
     *,
     num_q_heads: int,
     eps: float,
+    q_norm_weight: jax.Array,
     layer: jax.Array | int | None = None,
-    q_norm_weight: jax.Array | None = None,
     interpret: bool = False,
 ):
     """Pallas (Triton backend) version of ``write_kv_from_qkv_reference``: same arguments, same
-    results (``(k_pages, v_pages)``, plus q with ``q_norm_weight``)."""
+    results ``(k_pages, v_pages, q)``."""
     stacked = layer is not None
     if k_pages.shape != v_pages.shape or k_pages.ndim != (5 if stacked else 4):
         raise ValueError(f"bad k/v page shapes {k_pages.shape} {v_pages.shape} (layer={layer})")
@@ -169,17 +153,15 @@ def write_kv_from_qkv(
         raise ValueError(f"qkv {qkv.shape} must be [T, (Hq + 2 Hkv) * D] = [T, {(num_q_heads + 2 * Hk) * D}]")
     weight_stacked = k_norm_weight.ndim == 2
     for name, w in (("k_norm_weight", k_norm_weight), ("q_norm_weight", q_norm_weight)):
-        if w is not None and not (w.shape == (D,) if not weight_stacked
-                                  else (stacked and w.ndim == 2 and w.shape[1] == D)):
+        if not (w.shape == (D,) if not weight_stacked else (stacked and w.ndim == 2 and w.shape[1] == D)):
             raise ValueError(f"{name} {w.shape} must be [{D}] (or, with layer, a stack [L, {D}] like k_norm_weight)")
     if cos.shape != (T, D) or sin.shape != (T, D):
         raise ValueError(f"cos {cos.shape} / sin {sin.shape} must be [T, D] = [{T}, {D}]")
     if slot_mapping.shape != (T,):
         raise ValueError(f"slot_mapping {slot_mapping.shape} must be [{T}]")
-    with_q = q_norm_weight is not None
     q_shape = jax.ShapeDtypeStruct((T, num_q_heads, D), qkv.dtype)
     if T == 0:
-        return (k_pages, v_pages, jnp.zeros(q_shape.shape, q_shape.dtype)) if with_q else (k_pages, v_pages)
+        return k_pages, v_pages, jnp.zeros(q_shape.shape, q_shape.dtype)
     layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     kernel = functools.partial(
         _kernel, num_q_heads=num_q_heads, num_kv_heads=Hk, head_dim=D, page_size=page_size,
@@ -188,18 +170,18 @@ def write_kv_from_qkv(
     out_shape = [jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype), jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)]
     return pl.pallas_call(
         kernel,
-        out_shape=tuple(out_shape + [q_shape] * with_q),
-        grid=(T, 1 + -(-num_q_heads // _q_tile(num_q_heads, Hk)) if with_q else 1),
+        out_shape=tuple(out_shape + [q_shape]),
+        grid=(T, 1 + -(-num_q_heads // _q_tile(num_q_heads, Hk))),
         input_output_aliases={7: 0, 8: 1},
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
-        name=f"write_kv_from_qkv_h{Hk}_d{D}" + (f"_q{num_q_heads}" if with_q else ""),
+        name=f"write_kv_from_qkv_h{Hk}_d{D}_q{num_q_heads}",
     )(
         layer_arr,
         slot_mapping.astype(jnp.int32),
         qkv,
         k_norm_weight,
-        k_norm_weight if q_norm_weight is None else q_norm_weight,  # unread without q
+        q_norm_weight,
         cos.astype(jnp.float32),
         sin.astype(jnp.float32),
         k_pages,

@@ -1,16 +1,13 @@
 """Plain-jnp K/V cache write from the fused qkv projection: the semantics the kernel must match.
 
-A Qwen3 attention layer turns its qkv projection row into cache entries as::
+A Qwen3 attention layer turns its qkv projection row into cache entries and its query as::
 
     k = rope(rms_norm(qkv[:, k columns], k_norm_weight), cos, sin)   # per kv head
     v = qkv[:, v columns]
     cache[slot] = (k, v)                                              # slot = page * page_size + off
-    q = rope(rms_norm(qkv[:, q columns], q_norm_weight), cos, sin)   # optional: the query
+    q = rope(rms_norm(qkv[:, q columns], q_norm_weight), cos, sin)   # the attention's query
 
-Left to XLA, the k norm + rope + scatter (a select and a dynamic update slice at one row) and
-the v scatter (the same pair) are four launch-bound kernels per layer at batch-1 decode, beside
-the norm reduction k shares with q, and q's norm + rope are two more.  The Pallas kernel beside
-this file does all of it in one launch.
+The Pallas kernel beside this file does all of it in one launch.
 
 Semantics, op for op those of ``dspark_jax.layers.norm.rms_norm`` and
 ``dspark_jax.layers.rotary.apply_rope`` (repeated here so ``pallas_kernels`` does not import
@@ -60,12 +57,12 @@ def write_kv_from_qkv_reference(
     *,
     num_q_heads: int,
     eps: float,
+    q_norm_weight: jax.Array,
     layer: jax.Array | int | None = None,
-    q_norm_weight: jax.Array | None = None,
 ):
-    """Returns the updated ``(k_pages, v_pages)``; with the caches donated XLA updates in place.
-    With ``q_norm_weight`` (shaped like ``k_norm_weight``) also q, normed and rotated the same
-    way: ``(k_pages, v_pages, q [T, Hq, D])``, the attention's query."""
+    """Returns ``(k_pages, v_pages, q [T, Hq, D])``: the updated caches (in place when donated)
+    and the attention's query, normed (``q_norm_weight`` shaped like ``k_norm_weight``) and
+    rotated like k."""
     Hk, D = k_pages.shape[-2], k_pages.shape[-1]
     q, k, v = split_qkv(qkv, num_q_heads, Hk, D)
     if cos.shape != (qkv.shape[0], D) or sin.shape != cos.shape:
@@ -76,8 +73,6 @@ def write_kv_from_qkv_reference(
     idx = (page, off) if layer is None else (jnp.reshape(layer, ()).astype(jnp.int32), page, off)
     k_pages = k_pages.at[idx].set(k.astype(k_pages.dtype), mode="promise_in_bounds")
     v_pages = v_pages.at[idx].set(v.astype(v_pages.dtype), mode="promise_in_bounds")
-    if q_norm_weight is None:
-        return k_pages, v_pages
     return k_pages, v_pages, _norm_rope(q, _layer_weight(q_norm_weight, layer, D, "q_norm_weight"), cos, sin, eps)
 
 

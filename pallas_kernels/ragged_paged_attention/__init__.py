@@ -5,9 +5,6 @@ from __future__ import annotations
 from pallas_kernels.backend import BACKENDS, interpret_default
 from pallas_kernels.backend import resolve_backend as _resolve
 from pallas_kernels.ragged_paged_attention.kernel import (
-    ADDRESSING,
-    PAGE_LOOKUPS,
-    PROLOGUES,
     BlockConfig,
     block_config,
     ragged_paged_attention,
@@ -32,14 +29,11 @@ def ragged_paged_attention_op(
     causal: bool = True,
     backend: str = "pallas",
     interpret: bool | None = None,
-    **kernel_kwargs,
 ):
     """Dispatch to the Pallas kernel or the jnp reference (same signature and semantics).
 
     ``backend``: "pallas" (Triton backend; off the GPU it runs in interpret mode unless
     ``interpret`` says otherwise), "reference", or "auto" (pallas on GPU, else reference).
-    ``kernel_kwargs`` (block_q, block_n, num_splits, num_warps, num_stages, addressing,
-    prologue, page_lookup) go to the kernel.
     """
     if _resolve(backend, "attention") == "reference":
         return ragged_paged_attention_reference(
@@ -48,7 +42,7 @@ def ragged_paged_attention_op(
         )
     return ragged_paged_attention(
         q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs,
-        sm_scale=sm_scale, layer=layer, causal=causal, interpret=interpret_default(interpret), **kernel_kwargs,
+        sm_scale=sm_scale, layer=layer, causal=causal, interpret=interpret_default(interpret),
     )
 
 
@@ -57,10 +51,7 @@ def ragged_paged_attention_op(
 write_kv_pages = write_kv_pages_reference
 
 __all__ = [
-    "ADDRESSING",
     "BACKENDS",
-    "PAGE_LOOKUPS",
-    "PROLOGUES",
     "BlockConfig",
     "block_config",
     "ragged_paged_attention",
