@@ -197,7 +197,7 @@ def _draft_jit(target, drafter, taps, seq, anchors):
                                  jnp.ones((1, N), bool), G)
     out = drafter.backbone(target, ctx, ctx_pos, block_ids, block_pos, mask)
     keys = jax.random.split(jax.random.PRNGKey(0), N)
-    blk = sample_block(drafter, out.hidden[0], out.base_logits[0], seq[anchors], jnp.zeros(N), keys, greedy=True)
+    blk = sample_block(drafter, out.hidden[0], out.base_logits[0], seq[anchors], jnp.zeros(N), keys)
     return blk.tokens, blk.logits, blk.confidence
 
 
