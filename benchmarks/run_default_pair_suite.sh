@@ -14,7 +14,6 @@
 #            BENCH_ARGS adds options, TABLE names a cost table other than the sps stage's)
 #   fp32     the equality check again in fp32 with exact matmuls at batch 8 / 64 (no timing claims):
 #            tells bf16 rounding (a near-tie flipping) from an algorithmic difference
-#   kernel   verify / decode cost ratio of the attention kernel's options (whatever time is left)
 #
 # Results land in $OUT (default runs/default-pair-suite), packed into default-pair-suite.tgz (PACK=0:
 # left as files); copy them into benchmarks/results and the drafter folder by hand after reading them.
@@ -29,7 +28,7 @@ TARGET=${TARGET:-dspark_jax/assets/default-target}
 STS_PROMPTS=${STS_PROMPTS:-400}
 TAU_PROMPTS=${TAU_PROMPTS:-200}
 MAX_NEW=${MAX_NEW:-256}
-STAGES=${STAGES:-sts tau sps bench kernel}
+STAGES=${STAGES:-sts tau sps bench}
 TABLE=${TABLE:-$OUT/sps_table_gpu.table.json}
 . benchmarks/suite_env.sh
 
@@ -85,15 +84,6 @@ for stage in $STAGES; do
           --arms none,static,compact,mtp --batch-sizes 8 64 --repeats 1 --dtype float32 --matmul-precision highest \
           --lazy-compile --tag _fp32_highest --out-dir "$OUT" > "$OUT/bench_fp32.log" 2>&1 || echo "fp32 check cut short or failed"
       tail -n 20 "$OUT/bench_fp32.log"
-      ;;
-    kernel)
-      t=$(( $(left) - 5 ))
-      if [ "$t" -gt 60 ]; then
-        timeout "$t" "$PYTHON" benchmarks/bench_ragged_paged_attention.py --ratio --ratio-deadline $((t - 50)) \
-            --out "$OUT" --git-commit "$GIT_COMMIT" \
-            > "$OUT/kernel_ratio.log" 2>&1 || echo "kernel ratio cut short or failed"
-        tail -n 30 "$OUT/kernel_ratio.log"
-      fi
       ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
