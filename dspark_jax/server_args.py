@@ -36,11 +36,13 @@ class ServerArgs:
         help="DSPARK (block drafting), MTP (the EAGLE-style chain drafter, the baseline arm) or NONE (plain "
              "decoding); default: the kind of --draft-model-path, DSPARK for the embedded model", choices=ALGORITHMS,
         type=str.upper)
-    verify_mode: str = _opt("static", help="DSpark verify mode: static, compact (each request's scheduled window) "
-                                            "or cap-accept (full verify, compact's commits, the ceiling reported)",
-                            choices=("static", "compact", "cap-accept"))
+    verify_mode: str = _opt("compact", help="DSpark verify mode: compact (each request's window scheduled against the "
+                                             "cost table, plain decode steps where no window pays), static (every "
+                                             "block verified) or cap-accept (full verify, compact's commits, the "
+                                             "ceiling reported)", choices=("static", "compact", "cap-accept"))
     block_size: int | None = _opt(help="DSpark block size; must equal the drafter's trained block size")
-    sps_table_path: str | None = _opt(help="additive step-cost table JSON (compact budgets; default: verify everything)")
+    sps_table_path: str | None = _opt(help="additive step-cost table JSON for compact budgets, or 'none' to verify "
+                                           "everything; default: profiled on this device at start-up and cached")
     sps_min_gain: float | None = _opt(help="trim only when the predicted throughput beats verify-all by this "
                                            "fraction (default 0.04)")
     rounds_per_call: int | None = _opt(help="DSpark rounds per dispatched executable (default 1); tokens then "
@@ -122,7 +124,7 @@ class ServerArgs:
         if algo == "NONE" and self.draft_model_path:
             raise ValueError("--draft-model-path given with --speculative-algorithm NONE")
         dspark_only = [flag for flag, given in (
-            ("--verify-mode", self.verify_mode != "static"), ("--block-size", self.block_size is not None),
+            ("--verify-mode", self.verify_mode != "compact"), ("--block-size", self.block_size is not None),
             ("--sps-table-path", self.sps_table_path), ("--sps-min-gain", self.sps_min_gain is not None),
             ("--rounds-per-call", self.rounds_per_call is not None), ("--sts-path", self.sts_path),
             ("--record-sts-dir", self.record_sts_dir)) if given]
@@ -161,7 +163,12 @@ class ServerArgs:
             return None
         if self.speculative_algorithm == "MTP":
             return SpeculativeConfig(algorithm="mtp", num_steps=self.mtp_steps)
-        spec = SpeculativeConfig(mode=self.verify_mode, cost_table=load_cost_table(self.sps_table_path),
+        table = self.sps_table_path
+        if table is None:  # a static engine never reads a table
+            table = "derive" if self.verify_mode != "static" else None
+        else:
+            table = None if table.lower() == "none" else load_cost_table(table)
+        spec = SpeculativeConfig(mode=self.verify_mode, cost_table=table,
                                  sts=StsCalibration.load(self.sts_path) if self.sts_path else None,
                                  rounds_per_call=self.rounds_per_call or 1, record_sts_dir=self.record_sts_dir)
         if self.sps_min_gain is not None:

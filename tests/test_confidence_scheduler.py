@@ -305,6 +305,48 @@ def test_a_table_flat_in_k_can_never_trim(seed):
     assert not ConfidenceScheduler(GAMMA, None).can_trim
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_plain_decode_steps_where_no_budget_beats_them(seed):
+    """With a table that prices a plain decode step, a round is a decode step exactly when the
+    best budget's predicted throughput (brute force over every K, guard included) falls below
+    R / T_decode(R) x (1 + g); otherwise the speculative decision is unchanged."""
+    rng = np.random.default_rng(900 + seed)
+    rows = int(rng.integers(1, 40))
+    theta = np.sort(rng.uniform(0, 2e-2, 4))
+    base = AdditiveCostTable(float(rng.uniform(5e-4, 3e-3)), [1.0, 64.0], [0.0, float(rng.uniform(0, 2e-3))],
+                             [0.0, 64.0, 128.0, 512.0], theta - theta[0])
+    decode = float(rng.uniform(2e-4, 4e-3))
+    table = base.with_decode([1.0, 64.0], [decode, decode * float(rng.uniform(1, 3))])
+    g = float(rng.choice([0.0, 0.04]))
+    survival = _random_survival(rng, rows, quantised=bool(rng.integers(2))) ** float(rng.uniform(0.5, 4))
+    fresh = np.zeros(rows, bool)
+    spec = ConfidenceScheduler(GAMMA, base, min_predicted_gain=g).decide_budget(survival, fresh)
+    got = ConfidenceScheduler(GAMMA, table, min_predicted_gain=g).decide_budget(survival, fresh)
+    plain = rows / table.predict_decode(rows)
+    if spec.predicted_tokens_per_second < plain * (1 + g):
+        assert got.decode and got.budget == 0 and got.expected_tokens == rows
+        assert got.predicted_step_seconds == pytest.approx(table.predict_decode(rows))
+    else:
+        assert not got.decode and got == spec
+    assert ConfidenceScheduler(GAMMA, table).can_decode and not ConfidenceScheduler(GAMMA, base).can_decode
+
+
+def test_decode_curve_of_a_cost_table():
+    t = AdditiveCostTable(1e-3, [1, 4], [0.0, 1e-4], [1, 8], [0.0, 1e-3]).with_decode([1, 8], [2e-4, 6e-4])
+    assert t.prices_decode and t.predict_decode(4) == pytest.approx(2e-4 + 3 / 7 * 4e-4)
+    assert t.predict_decode(100) == pytest.approx(6e-4)  # clamped past the last probe
+    again = AdditiveCostTable.from_dict(t.to_dict())
+    assert again.to_dict() == t.to_dict() and "decode_seconds" not in AdditiveCostTable.from_dict(
+        {k: v for k, v in t.to_dict().items() if not k.startswith("decode")}).to_dict()
+    from dspark_jax.spec.dspark.cost_model import CostTableError
+
+    for bad in ({"decode_seconds": [1e-3]}, {"decode_bs_probes": [1, 2], "decode_seconds": [1e-3, -1.0]},
+                {"decode_bs_probes": [2, 1], "decode_seconds": [1e-3, 1e-3]}):
+        with pytest.raises(CostTableError, match="decode"):
+            AdditiveCostTable.from_dict({**{k: v for k, v in t.to_dict().items() if not k.startswith("decode")},
+                                         **bad})
+
+
 # -- the lag ring ---------------------------------------------------------------------------
 
 
@@ -346,19 +388,24 @@ def test_recycled_empty_and_unseen_slots_read_fresh():
 @pytest.mark.parametrize("seed", range(6))
 def test_lagged_matches_a_per_slot_dictionary_reference(seed):
     """The ring keeps each step's rows as observed and matches slots when read: whatever the order,
-    subset or recycling of the batch, the lagged survival equals a plain per-slot lookup, and the
-    budget decided from the ring equals decide_budget on that lookup."""
+    subset or recycling of the batch, the lagged survival equals a plain per-slot lookup of each
+    slot's latest observation at least lag steps old (a hit when its generation is the one asked
+    for), and the budget decided from the ring equals decide_budget on that lookup.  Some steps
+    observe nothing (plain decode rounds)."""
     rng = np.random.default_rng(seed)
     table = AdditiveCostTable(1e-3, [1.0, 64.0], [0.0, 1e-3], [0.0, 64.0, 512.0], [0.0, 2e-4, 3e-3])
     sched = ConfidenceScheduler(GAMMA, table, lag=2)
     history = {}
-    for step in range(8):
+    for step in range(10):
         n = int(rng.integers(1, 12))
         slots = rng.permutation(16)[:n]
         gens = rng.integers(-1, 3, size=n)
         s = _random_survival(rng, n).astype(np.float32)
-        sched.observe(step, s, gens, slots=slots)
-        history[step] = {int(sl): (int(g), s[i]) for i, (sl, g) in enumerate(zip(slots, gens))}
+        if step in (4, 5) and seed % 3 == 0:
+            history[step] = {}  # nothing observed at this step
+        else:
+            sched.observe(step, s, gens, slots=slots)
+            history[step] = {int(sl): (int(g), s[i]) for i, (sl, g) in enumerate(zip(slots, gens))}
         if step < 2:
             continue
         m = int(rng.integers(1, 12))
@@ -367,7 +414,9 @@ def test_lagged_matches_a_per_slot_dictionary_reference(seed):
         if seed % 2 and m <= n:
             q_gens = gens[:m]
         lag = sched.lagged(step + 1, q_gens, slots=q_slots)
-        seen = history[step - 1]
+        seen = {}
+        for u in range(step):  # steps up to (step + 1) - lag, the latest per slot winning
+            seen.update(history[u])
         for i, (sl, g) in enumerate(zip(q_slots.tolist(), q_gens.tolist())):
             hit = sl in seen and g >= 0 and seen[sl][0] == g
             assert lag.fresh[i] == (not hit)

@@ -224,3 +224,19 @@ def test_monotone_fit_pools_noise_dips_and_matches_a_bounded_solver():
     # the constrained fit's residuals are its own, and no better than OLS's
     np.testing.assert_allclose(fit.predicted_seconds + fit.residual_seconds, [s[2] for s in samples])
     assert fit.rms_seconds >= ols.rms_seconds - 1e-15
+
+
+def test_fit_cells_adds_the_plain_decode_curve():
+    """Profiled cells: the speculative ones fit the additive model (an exact one here), the plain
+    decode steps give the decode curve (median per batch size, made non-decreasing)."""
+    from dspark_jax.spec.dspark.profile import fit_cells
+
+    truth = AdditiveCostTable(1e-3, [1, 8], [0.0, 2e-4], [8, 64, 128], [0.0, 1e-3, 3e-3])
+    cells = [{"bs": bs, "K": K, "M": bs + K, "seconds": float(truth.predict(bs, K))}
+             for bs in (1, 8) for K in (0, 64 - bs, 128 - bs)]  # M on the 64-token bins: exactly additive
+    cells += [{"bs": 1, "K": None, "M": 1, "seconds": s} for s in (4e-4, 5e-4, 9e-4)]
+    cells += [{"bs": 8, "K": None, "M": 8, "seconds": s} for s in (3e-4, 3e-4)]  # a noisy dip below bs 1
+    fit = fit_cells(cells, monotone=False)
+    np.testing.assert_allclose(fit.predicted_seconds, [c["seconds"] for c in cells[:6]], rtol=1e-9)
+    assert fit.table.decode_bs_probes.tolist() == [1, 8]
+    assert fit.table.decode_seconds.tolist() == pytest.approx([5e-4, 5e-4])  # medians, non-decreasing

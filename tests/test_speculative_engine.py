@@ -394,3 +394,45 @@ def test_gpu_execution_options_commit_the_same_tokens(pair, plain, model_dir):
     mtp = Engine(target, tok, gpu_like, drafter=MTPDrafter(MTPConfig.from_target(target.config), rngs=nnx.Rngs(1)),
                  spec=SpeculativeConfig(algorithm="mtp", num_steps=3))
     assert [r.token_ids for r in mtp.generate(prompts, GREEDY)] == want
+
+
+def test_rounds_become_plain_decode_steps_where_speculation_is_priced_to_lose(pair, plain):
+    """A table whose plain decode step is cheaper than any speculative round: every round is a
+    decode step (nothing drafted, one token a request, the decode executables), and the output
+    equals the plain engine's token for token, greedy and sampled alike (the same sampling keys).
+    A table whose decode step is dear keeps speculating, and mixed batches stay lossless."""
+    target, _, drafter = pair
+    prompts = _prompts(target.config.vocab_size, 6, seed=17)
+    sampled = [SamplingParams(max_new_tokens=20, temperature=0.9, top_k=40, seed=50 + i, ignore_eos=True)
+               for i in range(6)]
+    cheap = dspark(pair, mode="compact", cost_table=TABLE.with_decode([1, 4], [1e-5, 2e-5]))
+    assert {k[1] for k in cheap.worker._compiled if k[0] == "round"} >= {"decode"}
+    for params in (GREEDY, sampled):
+        assert [r.token_ids for r in cheap.generate(prompts, params)] == \
+            [r.token_ids for r in plain.generate(prompts, params)]
+    assert set(cheap.stats["accept_lens"]) == {1} and set(cheap.stats["verify_lens"]) == {1}
+    assert all(k == 0 for _, k, *_ in cheap.stats["round_log"]) and not cheap.worker.scheduler._ring
+    dear = dspark(pair, mode="compact", cost_table=TABLE.with_decode([1, 4], [1.0, 1.0]))
+    got = dear.generate(prompts, GREEDY)
+    assert [r.token_ids for r in got] == [r.token_ids for r in plain.generate(prompts, GREEDY)]
+    assert max(dear.stats["accept_lens"]) > 1
+
+
+def test_a_derived_cost_table_is_profiled_once_and_read_back(pair, plain, tmp_path, monkeypatch):
+    """cost_table "derive": the engine times its compiled rounds (every batch bucket at three
+    budgets, and a decode step each), schedules with the fit, and caches it: a second engine
+    reads the same table without timing anything."""
+    import dspark_jax.spec.dspark.profile as profile
+
+    monkeypatch.setattr(profile, "derive_cost_table",
+                        lambda worker, cache_dir=None, real=profile.derive_cost_table: real(worker, tmp_path))
+    eng = dspark(pair, mode="compact", cost_table="derive")
+    table = eng.worker.scheduler.cost_table
+    assert table is not None and table.prices_decode
+    assert table.decode_bs_probes.tolist() == eng.decode_buckets and list(tmp_path.glob("*.json"))
+    prompts = _prompts(pair[0].config.vocab_size, 4, seed=3)
+    assert [r.token_ids for r in eng.generate(prompts, GREEDY)] == [r.token_ids for r in plain.generate(prompts, GREEDY)]
+    timed = []
+    monkeypatch.setattr(type(eng.worker), "time_round", lambda *a, **k: timed.append(a) or (1, 1.0))
+    again = dspark(pair, mode="compact", cost_table="derive")
+    assert not timed and again.worker.scheduler.cost_table.to_dict() == table.to_dict()

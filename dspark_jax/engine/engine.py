@@ -94,6 +94,7 @@ class Engine:
         self.worker.bind(self)
         self.overlap = ec.overlap and self.worker.overlaps
         self.compile_seconds = self.compile_all() if ec.precompile else 0.0
+        self.worker.calibrate()
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None, spec=None, *,

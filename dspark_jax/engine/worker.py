@@ -45,6 +45,9 @@ class Worker:
         """(label, compile thunk) of every executable the worker runs, for start-up."""
         return []
 
+    def calibrate(self) -> None:
+        """Runs once the executables are compiled (e.g. to profile this device's step costs)."""
+
     def prefill(self, chunks: list[tuple[Request, int]]) -> jax.Array:
         """Dispatch a prefill of prompt chunks; returns each chunk's sampled next token (device)."""
         raise NotImplementedError

@@ -20,7 +20,8 @@ class SpeculativeConfig:
     # whole block committing what compact would (cap-accept, which also reports the ceiling).
     mode: str = "static"
     sts: StsCalibration | None = None  # None: the drafter folder's sts.json, else identity
-    cost_table: AdditiveCostTable | None = None  # None: verify everything
+    # None: verify everything; "derive": profile this device's table at start-up (cached on disk)
+    cost_table: AdditiveCostTable | str | None = None
     lag: int = 2  # rounds between the survival a budget uses and the round it is for
     min_predicted_gain: float | None = 0.04  # trim only for this predicted gain over verify-all
     rounds_per_call: int = 1  # rounds per dispatched executable, each fed on the device
@@ -33,6 +34,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
         if self.mode not in MODES:
             raise ValueError(f"verify mode must be one of {MODES}, got {self.mode!r}")
+        if isinstance(self.cost_table, str) and self.cost_table != "derive":
+            raise ValueError(f"cost_table must be a table, None or 'derive', got {self.cost_table!r}")
         if self.lag < 1:
             raise ValueError(f"lag must be >= 1: a budget from the round's own survival is not lossless, got {self.lag}")
         g = self.min_predicted_gain

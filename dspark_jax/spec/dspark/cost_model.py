@@ -24,9 +24,11 @@ No table (``None``) means "verify all": the scheduler then skips the argmax and 
 budget, which is what compact mode must do before a profile exists (every extra token looks
 free).
 
-The JSON file holds exactly the keys ``bias_seconds, bs_probes, alpha_seconds, m_probes,
-theta_seconds`` (the format SGLang's additive SPS table uses); loading validates it and says what
-is wrong.
+The JSON file holds the keys ``bias_seconds, bs_probes, alpha_seconds, m_probes,
+theta_seconds`` (the format SGLang's additive SPS table uses) and optionally ``decode_bs_probes,
+decode_seconds``: the time of a plain decode step (one token per request, no drafting) by batch
+size, which lets the scheduler run plain steps when no speculative window pays.  Loading
+validates it and says what is wrong.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import numpy as np
 from dspark_jax.errors import DsparkError
 
 TABLE_KEYS = ("bias_seconds", "bs_probes", "alpha_seconds", "m_probes", "theta_seconds")
+DECODE_KEYS = ("decode_bs_probes", "decode_seconds")
 
 
 class CostTableError(DsparkError, ValueError):
@@ -82,6 +85,8 @@ class AdditiveCostTable:
     alpha_seconds: np.ndarray
     m_probes: np.ndarray
     theta_seconds: np.ndarray
+    decode_bs_probes: np.ndarray | None = None  # plain decode step time by batch size (optional)
+    decode_seconds: np.ndarray | None = None
 
     def __post_init__(self):
         bias = float(self.bias_seconds)
@@ -102,6 +107,14 @@ class AdditiveCostTable:
         object.__setattr__(self, "alpha_seconds", alpha)
         object.__setattr__(self, "m_probes", m)
         object.__setattr__(self, "theta_seconds", theta)
+        if (self.decode_bs_probes is None) != (self.decode_seconds is None):
+            raise CostTableError("decode_bs_probes and decode_seconds come together")
+        if self.decode_bs_probes is not None:
+            db, ds = _probe_curve("decode_bs_probes", self.decode_bs_probes, "decode_seconds", self.decode_seconds)
+            if not ds.min() > 0:
+                raise CostTableError(f"decode_seconds must be > 0, got {ds.tolist()}")
+            object.__setattr__(self, "decode_bs_probes", db)
+            object.__setattr__(self, "decode_seconds", ds)
 
     # -- lookup -------------------------------------------------------------------------
     @property
@@ -110,6 +123,21 @@ class AdditiveCostTable:
         flat (benchmarks/results/sps_table_gpu_t1_r2_bs64_9b65b74.md: theta 0 at every probe):
         then every K costs the same and no trim can raise tau(K) / T above verify-all."""
         return bool(np.ptp(self.theta_seconds) > 0)
+
+    @property
+    def prices_decode(self) -> bool:
+        """Whether the table knows what a plain decode step costs (so a round can be one)."""
+        return self.decode_bs_probes is not None
+
+    def predict_decode(self, bs) -> float:
+        """Predicted seconds of a plain decode step of ``bs`` requests (clamped linear lookup)."""
+        if self.decode_bs_probes is None:
+            raise CostTableError("this table has no decode probes")
+        return float(np.interp(bs, self.decode_bs_probes, self.decode_seconds))
+
+    def with_decode(self, bs_probes, seconds) -> AdditiveCostTable:
+        """This table with the given plain-decode curve."""
+        return dataclasses.replace(self, decode_bs_probes=bs_probes, decode_seconds=seconds)
 
     def alpha(self, bs):
         return np.interp(bs, self.bs_probes, self.alpha_seconds)
@@ -129,32 +157,36 @@ class AdditiveCostTable:
 
     # -- JSON ---------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {
+        out = {
             "bias_seconds": self.bias_seconds,
             "bs_probes": self.bs_probes.tolist(),
             "alpha_seconds": self.alpha_seconds.tolist(),
             "m_probes": self.m_probes.tolist(),
             "theta_seconds": self.theta_seconds.tolist(),
         }
+        if self.prices_decode:
+            out.update(decode_bs_probes=self.decode_bs_probes.tolist(), decode_seconds=self.decode_seconds.tolist())
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> AdditiveCostTable:
         if not isinstance(data, dict):
             raise CostTableError(f"a cost table is a JSON object, got {type(data).__name__}")
         missing = [k for k in TABLE_KEYS if k not in data]
-        extra = sorted(set(data) - set(TABLE_KEYS))
+        extra = sorted(set(data) - set(TABLE_KEYS) - set(DECODE_KEYS))
         if missing or extra:
             raise CostTableError(
-                f"cost table keys must be exactly {list(TABLE_KEYS)}; missing {missing}, unexpected {extra}"
+                f"cost table keys must be {list(TABLE_KEYS)} (and optionally {list(DECODE_KEYS)}); "
+                f"missing {missing}, unexpected {extra}"
             )
         bias = data["bias_seconds"]
         if isinstance(bias, bool) or not isinstance(bias, (int, float)):
             raise CostTableError(f"bias_seconds must be a number, got {bias!r}")
-        for key in TABLE_KEYS[1:]:
+        for key in TABLE_KEYS[1:] + tuple(k for k in DECODE_KEYS if k in data):
             if not isinstance(data[key], list) or any(isinstance(v, bool) or not isinstance(v, (int, float))
                                                       for v in data[key]):
                 raise CostTableError(f"{key} must be a list of numbers, got {data[key]!r}")
-        return cls(**{k: data[k] for k in TABLE_KEYS})
+        return cls(**{k: data[k] for k in TABLE_KEYS + DECODE_KEYS if k in data})
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")

@@ -8,6 +8,7 @@ the current round's survival (spec/common/packing.topk_verify_lens).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Callable, Sequence
 
@@ -31,7 +32,13 @@ def plan_call(batch_size: int, decisions: Sequence[BudgetDecision], *, gamma: in
     mode "compact" runs the smallest tier holding the largest budget; the other modes verify
     every block (tier bs * (gamma + 1)).  fill_tier (scheduled rounds): every round verifies up
     to the tier's capacity, since its padding rows cost what verified ones would; the budget
-    stays a function of host scalars, and the filled budget is what gets priced."""
+    stays a function of host scalars, and the filled budget is what gets priced.  A call whose
+    first decision is a plain decode step runs plain decode steps (mode "decode", one token per
+    request, at the batch-size bucket)."""
+    if decisions[0].decode:
+        tier = tiers.batch_sizes[bisect.bisect_left(tiers.batch_sizes, batch_size)]
+        return RoundPlan("decode", (0,) * len(decisions), tier, min(tier, max_rows),
+                         decisions[0].predicted_step_seconds)
     full = batch_size * gamma
     budgets = [min(d.budget, full) for d in decisions]
     predictions = [d.predicted_step_seconds for d in decisions if d.predicted_step_seconds is not None]

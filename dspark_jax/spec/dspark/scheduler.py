@@ -13,7 +13,10 @@ The decision has two parts (DSpark paper section 5.2, SGLang's planner):
    The argmax is global: tiers make the cost a staircase, so tau/T is not unimodal and a greedy
    walk that stops at the first dip would never cross a riser to the better plateau beyond it.
    Exact ties go to the smaller n (``np.argmax``, as SGLang): same predicted throughput for less
-   device work.  Without a cost table K = R * gamma, i.e. verify everything.
+   device work.  Without a cost table K = R * gamma, i.e. verify everything.  A table that also
+   prices a plain decode step (one token per request, no drafting) makes the round a plain step
+   when R / T_decode(R) beats the best speculative throughput: speculation never runs where it
+   is predicted to lose.
 
 2. **Per-request lengths**: the global top-K of the *current* step's survival, ranked by value,
    ties broken by position and then request index (never by value, so the rule is the same for
@@ -38,11 +41,13 @@ the target's outputs.  The target has not run when these decisions are made, and
   step t's confidence), where admitting ``x_{r,j}`` could hinge on ``c_{r,j+1}``, a function of
   ``x_{r,j}`` (the paper's appendix A counterexample); hence the lag.
 
-The lag ring.  Survival reaches the host asynchronously, so the budget of step t reads the ring
-entry of step ``t - lag``.  Rows are keyed by slot (an index into the fixed max-batch arrays) and
-the request's generation id in that slot: a slot recycled for a new request, a slot not observed
-at ``t - lag``, a negative generation (empty slot) or fewer than ``lag`` observed steps all read
-as fresh, survival 1 (optimistic: a new request never inherits another one's confidence).
+The lag ring.  Survival reaches the host asynchronously, so the budget of step t reads, for
+each request, the latest survival observed at step ``t - lag`` or before (a plain decode step
+observes none, so a request keeps its last speculative round's).  Rows are keyed by slot (an
+index into the fixed max-batch arrays) and the request's generation id in that slot: a slot
+recycled for a new request, a slot never observed, a negative generation (empty slot) or fewer
+than ``lag`` observed steps all read as fresh, survival 1 (optimistic: a new request never
+inherits another one's confidence).
 
 Everything here is numpy on the host; a step at R = 256, gamma = 7 costs well under a
 millisecond (argpartition for the top-K, one sort for the budget).
@@ -69,6 +74,7 @@ class BudgetDecision:
     predicted_step_seconds: float | None  # T(R, K); None without a table
     predicted_tokens_per_second: float | None  # tau(K) / T(R, K)
     guard_applied: bool = False  # the min-gain guard overrode the argmax with verify-all
+    decode: bool = False  # a plain decode step (no drafting) beats every speculative budget
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -114,8 +120,12 @@ class ConfidenceScheduler:
         self.cost_table = cost_table
         self.lag = int(lag)
         self.min_predicted_gain = min_predicted_gain
-        # (step, slots, generations, survival [rows, gamma]) of the last lag + 1 observed steps
-        self._ring: deque[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = deque(maxlen=self.lag + 1)
+        # (step, slots, generations, survival [rows, gamma]) of the steps observed in the last lag
+        self._ring: deque[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = deque()
+        # per slot: the generation and survival of its latest observation at least lag steps old
+        self._known_gen = np.full(0, -1, np.int64)
+        self._known = np.ones((0, self.block_size))
+        self._last_observed: int | None = None
         self._price_cache: dict[int, tuple[np.ndarray, float, float, float]] = {}
 
     @property
@@ -125,6 +135,11 @@ class ConfidenceScheduler:
         budget's throughput beats verify-all's by 1 + g.  The worker then keeps no lag ring."""
         g = self.min_predicted_gain
         return self.cost_table is not None and (self.cost_table.prices_budget or g is None or g <= 0)
+
+    @property
+    def can_decode(self) -> bool:
+        """Whether a decision can be a plain decode step (the table prices one)."""
+        return self.cost_table is not None and self.cost_table.prices_decode
 
     def verify_all(self, num_rows: int) -> BudgetDecision:
         """What ``decide_budget`` returns when ``can_trim`` is False, without survival: verify-all
@@ -160,7 +175,19 @@ class ConfidenceScheduler:
         return self._decide(self._lagged_values(step, slot_generation, slots)[0])
 
     def _decide(self, survival: np.ndarray) -> BudgetDecision:
-        """The argmax on checked survival [R, gamma] with fresh rows already set to 1."""
+        """The argmax on checked survival [R, gamma] with fresh rows already set to 1, or a plain
+        decode step where the table prices one and the best budget does not beat it by 1 + g."""
+        best = self._decide_budget(survival)
+        if not self.can_decode or best.predicted_tokens_per_second is None:
+            return best
+        num_rows = survival.shape[0]
+        seconds = max(self.cost_table.predict_decode(num_rows), 1e-9)
+        if best.predicted_tokens_per_second < num_rows / seconds * (1.0 + (self.min_predicted_gain or 0.0)):
+            return BudgetDecision(0, best.num_candidates, float(num_rows), seconds, num_rows / seconds, decode=True)
+        return best
+
+    def _decide_budget(self, survival: np.ndarray) -> BudgetDecision:
+        """The speculative argmax (module doc) on checked survival with fresh rows set to 1."""
         num_rows = survival.shape[0]
         full = num_rows * self.block_size
         vals = survival.ravel()
@@ -248,38 +275,45 @@ class ConfidenceScheduler:
         observed (copied, ~1 us) and matched to slots when read."""
         s = _survival_matrix(survival, self.block_size, "survival")
         slots_arr, gens = self._rows(s.shape[0], slot_generation, slots)
-        if self._ring and step <= self._ring[-1][0]:
-            raise ValueError(f"observed steps must increase: got {step} after {self._ring[-1][0]}")
+        if self._last_observed is not None and step <= self._last_observed:
+            raise ValueError(f"observed steps must increase: got {step} after {self._last_observed}")
+        self._last_observed = int(step)
         self._ring.append((int(step), slots_arr.copy(), gens.copy(), s.copy()))
 
     def lagged(self, step: int, slot_generation, slots=None) -> LaggedSurvival:
-        """Survival observed at ``step - lag`` for these slots; fresh (1.0) where unknown."""
+        """Each slot's latest survival observed at ``step - lag`` or before; fresh (1.0) where unknown."""
         survival, fresh = self._lagged_values(step, slot_generation, slots)
-        return LaggedSurvival(np.array(survival, dtype=np.float64), fresh)  # a copy: never the ring's own array
+        return LaggedSurvival(np.array(survival, dtype=np.float64), fresh)  # a copy: never the scheduler's own
+
+    def _settle(self, step: int) -> None:
+        """Fold the observations at least lag steps before ``step`` into the per-slot memory."""
+        while self._ring and self._ring[0][0] <= step - self.lag:
+            _, slots, gens, surv = self._ring.popleft()
+            if slots.size and slots.max() >= self._known_gen.size:
+                n = int(slots.max()) + 1
+                self._known_gen = np.concatenate([self._known_gen, np.full(n - self._known_gen.size, -1, np.int64)])
+                self._known = np.concatenate([self._known, np.ones((n - self._known.shape[0], self.block_size))])
+            self._known_gen[slots] = gens
+            self._known[slots] = surv
 
     def _lagged_values(self, step: int, slot_generation, slots) -> tuple[np.ndarray, np.ndarray]:
+        self._settle(step)
         slots_arr, gens = self._rows(None, slot_generation, slots)
-        num_rows = slots_arr.size
-        entry = next((e for e in self._ring if e[0] == step - self.lag), None)
-        if entry is None:
-            return np.ones((num_rows, self.block_size)), np.ones(num_rows, bool)
-        _, seen_slots, seen_gens, seen = entry
-        if np.array_equal(seen_slots, slots_arr):  # the usual case: the same batch in the same order
-            same = (seen_gens == gens) & (gens >= 0)
-            if same.all():
-                return seen, ~same
-            return np.where(same[:, None], seen, 1.0), ~same
-        row_of = np.full(max(int(seen_slots.max(initial=-1)), int(slots_arr.max(initial=-1))) + 1, -1, np.int64)
-        row_of[seen_slots] = np.arange(seen_slots.size)
-        row = row_of[slots_arr]
-        idx = np.maximum(row, 0)
-        same = (row >= 0) & (gens >= 0) & (seen_gens[idx] == gens) if seen_gens.size else np.zeros(num_rows, bool)
-        survival = np.where(same[:, None], seen[idx], 1.0) if seen.size else np.ones((num_rows, self.block_size))
-        return survival, ~same
+        inside = slots_arr < self._known_gen.size
+        idx = np.where(inside, slots_arr, 0)
+        same = inside & (gens >= 0) & (self._known_gen[idx] == gens) if self._known_gen.size else inside
+        if same.all():
+            return self._known[idx], ~same
+        if not same.any():
+            return np.ones((slots_arr.size, self.block_size)), ~same
+        return np.where(same[:, None], self._known[idx], 1.0), ~same
 
     def reset(self) -> None:
         """Forget every observation (all rows read fresh until ``lag`` more steps are seen)."""
         self._ring.clear()
+        self._known_gen = np.full(0, -1, np.int64)
+        self._known = np.ones((0, self.block_size))
+        self._last_observed: int | None = None
 
     @staticmethod
     def _rows(num_rows: int | None, slot_generation, slots) -> tuple[np.ndarray, np.ndarray]:

@@ -3,7 +3,8 @@
 prefill_step: the target prefills prompt chunks with its tapped layers, the drafter's context
 cache is extended with those rows, and the first token is sampled.
 
-spec_step, one round for a batch of requests:
+spec_step, one round for a batch of requests (mode "decode": a plain decode step instead, the
+target's next token of every anchor, whose row still extends the draft context):
   draft a block per request (drafter + sequential head + confidence)
   -> verify windows (static: the full block; compact / cap-accept: top-K of current survival,
      K chosen on the host from lagged survival)
@@ -120,6 +121,9 @@ def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCa
     fed, row = inp.fed_index >= 0, jnp.maximum(inp.fed_index, 0)
     inp = inp.replace(anchor=jnp.where(fed, inp.fed_anchor[row], inp.anchor),
                       start=jnp.where(fed, inp.fed_start[row], inp.start))
+    if mode == "decode":
+        return decode_step(target, drafter, tcache, dcache, inp, num_tokens=num_tokens, page_size=page_size,
+                           target_options=target_options)
 
     # 1. Draft.
     blk = block_batch(inp, G, cfg.mask_token_id, page_size, dcache.drop_slot)
@@ -154,6 +158,27 @@ def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCa
     pad = lambda x: jnp.zeros(inp.fed_anchor.shape, jnp.int32).at[:S].set(jnp.where(inp.live, x, 0).astype(jnp.int32))
     res = SpecOutputs(bs.tokens, acc.num_accepted, acc.bonus, verify_lens, acc.block_accept, survival, bs.confidence,
                       pad(acc.bonus), pad(inp.start + acc.num_accepted + 1))
+    return res, out.cache, dcache
+
+
+def decode_step(target, drafter, tcache: KVCache, dcache: KVCache, inp: SpecInputs, *, num_tokens: int,
+                page_size: int, target_options: dict):
+    """A plain decode step in a DSpark round's place: each anchor alone through the target (its
+    row becomes draft context), the next token sampled as the plain engine samples it (key of
+    the sampled position), nothing drafted.  Same inputs and outputs as spec_step."""
+    G, S = drafter.config.block_size, inp.anchor.shape[0]
+    ones = jnp.where(inp.live, 1, 0).astype(jnp.int32)
+    fb = front_pack(inp.anchor, jnp.zeros((S, G), jnp.int32), ones, inp.start, inp.page_table, inp.num_seqs,
+                    num_tokens=num_tokens, page_size=page_size)
+    out = target(tcache, fb, tap_layers=drafter.config.target_layer_ids, **target_options)
+    token = sample(out.logits[:S], inp.temperature, inp.top_k, inp.top_p, inp.seed, inp.start + 1)
+    _, _, valid = packed_rows(ones, num_tokens)
+    dcache = drafter.extend_context(dcache, out.taps, fb.positions, jnp.where(valid, fb.slot_mapping, dcache.drop_slot),
+                                    unroll=not target_options["scan_layers"])
+    zeros = jnp.zeros((S,), jnp.int32)
+    pad = lambda x: jnp.zeros(inp.fed_anchor.shape, jnp.int32).at[:S].set(jnp.where(inp.live, x, 0).astype(jnp.int32))
+    res = SpecOutputs(jnp.zeros((S, G), jnp.int32), zeros, token, ones, zeros, jnp.zeros((S, G), jnp.float32),
+                      jnp.zeros((S, G), jnp.float32), pad(token), pad(inp.start + 1))
     return res, out.cache, dcache
 
 

@@ -17,6 +17,7 @@ writes stay inside its own reserved pages (the lookahead covers two calls' block
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import time
@@ -84,11 +85,11 @@ class DSparkWorker(DraftWorker):
         self.lookahead = (2 if engine.ec.overlap else 1) * n * (G + 1)
         super().bind(engine)
         # A call's last round must see survival the host has read: 2 x n rounds back overlapped.
-        lag = max(spec.lag, (2 if engine.ec.overlap else 1) * n)
-        self.scheduler = ConfidenceScheduler(G, spec.cost_table, lag=lag, min_predicted_gain=spec.min_predicted_gain)
-        priced = spec.mode != "static" and spec.cost_table is not None and spec.forced_budget is None
-        self._schedules = priced and self.scheduler.can_trim  # budgets from lagged survival (a lag ring)
-        self._prices_verify_all = priced and not self._schedules
+        self._lag = max(spec.lag, (2 if engine.ec.overlap else 1) * n)
+        # "derive": the table is profiled once the executables exist (calibrate); until then the
+        # worker compiles for trimming and for plain decode steps, whatever the table turns out to be.
+        self._derive = isinstance(spec.cost_table, str) and spec.mode != "static" and spec.forced_budget is None
+        self.use_table(None if self._derive else spec.cost_table)
         top = max(engine.decode_buckets) * (G + 1)
         self.tiers = TokenTiers(G, engine.decode_buckets, tier_step=max(64, -(-top // 8 // 64) * 64))
         runner = engine.runner
@@ -99,7 +100,7 @@ class DSparkWorker(DraftWorker):
             spec_rounds, runner.graphdef, self.drafter_def, mode=mode, page_size=engine.pool.page_size,
             target_options=runner.forward_options(False)),
             donate=(2, 3), packed_input=4, packed_output=True, static=("num_tokens",))
-            for mode in ("static", "compact", "cap-accept")}
+            for mode in ("static", "compact", "cap-accept", "decode")}
         R = engine.ec.max_running_requests
         self._no_feed = (jnp.zeros((R,), jnp.int32), jnp.zeros((R,), jnp.int32))
         self._step = 0  # rounds dispatched
@@ -115,22 +116,46 @@ class DSparkWorker(DraftWorker):
 
             self._recorder = StsRecorder(spec.record_sts_dir, G)
 
+    def use_table(self, table) -> None:
+        """Schedule rounds with this cost table (None: verify everything)."""
+        spec = self.spec
+        self.scheduler = sched = ConfidenceScheduler(self.gamma, table, lag=self._lag,
+                                                     min_predicted_gain=spec.min_predicted_gain)
+        priced = spec.mode != "static" and table is not None and spec.forced_budget is None
+        # Rounds decided from lagged survival (a lag ring): the table can trim, or make a round a
+        # plain decode step.  Otherwise every block is verified, priced from the table alone.
+        self._schedules = priced and (sched.can_trim or sched.can_decode)
+        self._trims = self._schedules and sched.can_trim
+        self._prices_verify_all = priced and not self._schedules
+
+    def calibrate(self) -> None:
+        """Derive the cost table on this device when the config asks for it (spec.cost_table
+        "derive"): profile the compiled rounds, then schedule with the fit."""
+        if self._derive:
+            from dspark_jax.spec.dspark.profile import derive_cost_table
+
+            self.use_table(derive_cost_table(self))
+
     @property
     def mode(self) -> str:
         """The verify mode rounds run: a worker that can never trim verifies every block, so it
         runs (and compiles) static rounds; a forced budget (profiling) keeps the configured mode."""
         spec = self.spec
-        return "static" if spec.mode != "static" and not self._schedules and spec.forced_budget is None else spec.mode
+        keeps = spec.mode == "static" or self._trims or self._derive or spec.forced_budget is not None
+        return spec.mode if keeps else "static"
 
     # -- compilation ---------------------------------------------------------------------------
     def executables(self):
         e = self.engine
         out = [(f"dspark prefill tokens={T} seqs={S}", functools.partial(self._prefill_executable, T, S))
                for T, S in prefill_shapes(e)]
-        for T in self.tiers.tiers:
+        shapes = [(self.mode, T) for T in self.tiers.tiers]
+        if self._derive or (self._schedules and self.scheduler.can_decode):
+            shapes += [("decode", T) for T in e.decode_buckets]
+        for mode, T in shapes:
             S = min(T, e.ec.max_running_requests)
-            out += [(f"dspark {self.mode} round tokens={T} rows={S} pages={P}",
-                     functools.partial(self._round_executable, self.mode, T, S, P)) for P in e.page_widths]
+            out += [(f"dspark {mode} round tokens={T} rows={S} pages={P}",
+                     functools.partial(self._round_executable, mode, T, S, P)) for P in e.page_widths]
         return out
 
     def _prefill_executable(self, T: int, S: int):
@@ -191,8 +216,8 @@ class DSparkWorker(DraftWorker):
         _, slots, generations = self._batch_slots
         step, self._step = self._step, self._step + self.rounds
         plan = plan_call(bs, self._decisions(bs, step, slots, generations), gamma=G, mode=self.mode, tiers=self.tiers,
-                         max_rows=self.engine.ec.max_running_requests, fill_tier=self._schedules,
-                         price=self.scheduler.price if self._schedules else None)
+                         max_rows=self.engine.ec.max_running_requests, fill_tier=self._trims,
+                         price=self.scheduler.price if self._trims else None)
         S = plan.rows
         live, table, temp, top_k, top_p, seed = self.round_arrays(reqs, S)
         fed_index = np.full(S, -1, np.int32)
@@ -244,29 +269,32 @@ class DSparkWorker(DraftWorker):
         # Rows of requests that finished in an earlier round ran past their end: keep them out of
         # the calibration data (the lag ring drops them by slot generation).
         alive = np.array([r.status is not Status.FINISHED for r in call.reqs])
-        if self.confidence_metrics is not None:
+        drafted = call.plan.mode != "decode"  # a plain decode step drafts nothing: no survival to learn from
+        if self.confidence_metrics is not None and drafted:
             labels = np.arange(G)[None, :] < out.block_accept[:bs, None]
             self.confidence_metrics.update(out.survival[:bs][alive], labels[alive])
-        if self._schedules:
+        if self._schedules and drafted:
             self.scheduler.observe(call.step + j, out.survival[:bs], call.generations, slots=call.slots)
         self.stats["rounds"] += 1
         done = commit_rounds(self.stats, call.reqs, out.drafts, out.num_accepted, out.bonus, out.verify_lens,
                              out.block_accept)
-        if self._recorder is not None:  # after the commit: a row knows whether its request ended here
+        if self._recorder is not None and drafted:  # after the commit: a row knows whether its request ended here
             final = np.array([r.status is Status.FINISHED for r in call.reqs])[alive]
             self._recorder.add(out.confidence_logits[:bs][alive], out.block_accept[:bs][alive], final)
         return [(r, committed) for r, _, committed in done]
 
     # -- profiling -----------------------------------------------------------------------------
-    def time_round(self, batch_size: int, budget: int, context: int, sampling=(0.0, 0, 1.0), iters: int = 10,
+    def time_round(self, batch_size: int, budget: int | None, context: int, sampling=(0.0, 0, 1.0), iters: int = 10,
                    warmup: int = 3) -> tuple[int, float]:
         """(tier, median seconds per round) of the compiled round alone on a steady synthetic
         batch: batch_size requests whose anchors sit at `context`, verifying `budget` drafts
-        beyond them (the compact executable), sampling = (temperature, top_k, top_p).  Every
-        repeat overwrites the same positions, so nothing is committed.  Device time plus dispatch,
-        without the loop's host work."""
+        beyond them (the compact executable; None: a plain decode step), sampling =
+        (temperature, top_k, top_p).  Every repeat overwrites the same positions, so nothing is
+        committed.  Device time plus dispatch, without the loop's host work."""
         e = self.engine
-        T = self.tiers.tier_for(batch_size, budget)
+        mode = "compact" if budget is not None else "decode"
+        T = (self.tiers.tier_for(batch_size, budget) if budget is not None else
+             self.tiers.batch_sizes[bisect.bisect_left(self.tiers.batch_sizes, batch_size)])
         S, P = min(T, e.ec.max_running_requests), e.pages_per_seq
         owners = [("time_round", i) for i in range(batch_size)]
         table = np.zeros((S, P), np.int32)
@@ -278,12 +306,12 @@ class DSparkWorker(DraftWorker):
             temperature, top_k, top_p = sampling
             row = lambda x, pad, dt: np.where(live, x, pad).astype(dt)
             inp = SpecInputs(anchor=row(5, 0, np.int32), start=row(context, 0, np.int32), page_table=table, live=live,
-                             num_seqs=np.int32(batch_size), budget=np.full(self.rounds, budget, np.int32),
+                             num_seqs=np.int32(batch_size), budget=np.full(self.rounds, budget or 0, np.int32),
                              temperature=row(temperature, 0, np.float32), top_k=row(top_k, 0, np.int32),
                              top_p=row(top_p, 1, np.float32), seed=np.arange(S, dtype=np.uint32),
                              fed_anchor=self._no_feed[0], fed_start=self._no_feed[1],
                              fed_index=np.full(S, -1, np.int32))
-            fn, pack, runner = self._round_executable("compact", T, S, P), self._input_pack(S, P), e.runner
+            fn, pack, runner = self._round_executable(mode, T, S, P), self._input_pack(S, P), e.runner
             packed = pack.pack(inp)
             times = []
             for i in range(warmup + iters):
