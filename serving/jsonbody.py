@@ -116,6 +116,7 @@ def parse_json_body(raw: bytes) -> dict:
         found = _lone_surrogate(body)
         if found:
             path, i, cp = found
+            path = path.encode("utf-8", "backslashreplace").decode("utf-8")  # a key may hold the surrogate itself
             raise ApiError(f"'{path}' holds a lone UTF-16 surrogate (\\u{cp:04x} at character {i}): strings must be "
                            "valid Unicode", param=path.split(".")[0].split("[")[0])
     return body
