@@ -359,7 +359,7 @@ def test_cli_and_launch_argument_errors(model_folder, tmp_path, capsys):
     base = ["--model-path", str(model_folder), "--prompt-ids", "5,6"]
     assert main([*base, "--speculative-algorithm", "mtp"]) == 1 and "--draft-model-path" in capsys.readouterr().err
     assert main([*base, "--mtp-steps", "2"]) == 1 and "--speculative-algorithm MTP" in capsys.readouterr().err
-    assert main([*base, "--speculative-algorithm", "mtp", "--draft-model-path", str(mtp), "--verify-mode", "compact"]) == 1
+    assert main([*base, "--speculative-algorithm", "mtp", "--draft-model-path", str(mtp), "--verify-mode", "static"]) == 1
     assert "DSpark options" in capsys.readouterr().err
     assert main([*base, "--speculative-algorithm", "mtp", "--draft-model-path", str(mtp)]) == 1  # another vocabulary
     assert "does not fit this target" in capsys.readouterr().err
@@ -374,7 +374,7 @@ def test_cli_and_launch_argument_errors(model_folder, tmp_path, capsys):
         r = ServerArgs(speculative_algorithm="MTP").resolve()
         assert (r.speculative_algorithm, r.draft_model_path) == ("MTP", str(default_mtp_path()))
     for bad, msg in ((dict(speculative_algorithm="MTP"), "needs --draft-model-path"),
-                     (dict(speculative_algorithm="MTP", draft_model_path=str(mtp), verify_mode="compact"),
+                     (dict(speculative_algorithm="MTP", draft_model_path=str(mtp), verify_mode="static"),
                       "DSpark options"),
                      (dict(mtp_steps=2), "--mtp-steps needs")):
         with pytest.raises(ValueError, match=msg):
