@@ -1,31 +1,31 @@
-"""Speculative decoding benchmark: the embedded default pair, every arm, per workload and batch size.
+"""The tier sweep: every arm, per workload and batch size, on the embedded pair or its expansion.
 
-Arms, all in one process on the same prompts at temperature 0 (the decoding is lossless, so every
-arm should commit the plain engine's tokens; in bf16 on a GPU, a verify pass and a decode step
-round differently and a near-tie can flip, which the report shows as the requests that differ and
-where -- rerun with --dtype float32 --matmul-precision highest to tell numerics from a bug):
+Arms, all in one process on the same prompts (lossless decoding: at temperature 0 every arm should
+commit the plain engine's tokens; in bf16 a verify pass and a decode step round differently and a
+near-tie can flip, which the report shows as the requests that differ and where):
   none            the plain engine (overlapped decode)
-  mtp             the MTP chain drafter (3-1-4: 3 drafts, 4 verify tokens per request)
+  mtp / mtp1      the MTP chain drafter at 3-1-4 / 1-1-2
   static          DSpark, every request verifies its whole block (gamma + 1 rows)
-  mtp1            the MTP chain drafter at 1-1-2
   compact         DSpark, confidence-scheduled windows, no cost table (verify-all budget)
-  compact+table   DSpark compact with the profiled additive cost table (--sps-table-path)
+  compact+table   DSpark compact with the cost table (--sps-table-path, or derived on this device)
   cap-accept      DSpark verifying every block, committing what compact + table would (the ceiling)
 
-For each (workload, batch size bs) the first waves x bs held-out prompts of the workload run
-through the engine with at most bs of them running at once (bs = 1: --single-prompts prompts one
-after another).  With --waves 1 the batch starts full and drains as requests finish; with more
-waves finished requests are replaced from the queue, so most rounds run at the full batch size
-(as in serving) and a pass holds waves times the work, which a slow stretch of the host then
-distorts less.  Every arm's engine lives for the whole run;
-a cell warms each arm up (--warmup-passes) on its prompts, then times --repeats passes with the arms
-interleaved (the order rotating each pass), so drifts of clock or host load hit every arm alike,
-and reports the median pass.  Reported: wall tok/s (generated tokens / wall time, prefill
-included), its ratio to the plain engine, mean accept length (tokens per round incl. the bonus),
-mean verify window, and, for compact+table, the predicted vs measured round time (median
-relative error over the timed passes' rounds).
+--pair default runs the embedded 12.5M pair; qwen3-8b (qwen3-4b, qwen3-1.7b) its function-preserving
+expansion to that shape, built in memory (dspark_jax/expand): the trained acceptance at the cost
+of a real model of that size.  Prompts: --prompts DIR of held-out JSONL files per workload (default
+benchmarks/prompts), or --corpus; "mixed" interleaves every workload's prompts.
 
-    python benchmarks/bench_speculative.py --corpus .data/corpus --sps-table-path T.json --out-dir $OUT
+For each (workload, batch size bs) the first waves x bs prompts run with at most bs at once (bs = 1:
+--single-prompts prompts one after another).  Every engine lives for the whole run; a cell warms
+each arm up (--warmup-passes), then times --repeats passes with the arms interleaved (the order
+rotating each pass) and reports the median pass.  Reported: output tok/s (generated tokens / wall,
+prefill included) and its ratio to the plain engine, per-user tok/s (a request's decode tokens over
+its decode time, averaged), accept length (tokens per round, bonus included), verify window,
+utilization (accept / uncensored block-accept length), and for arms with a table the predicted vs
+measured round time.  A PNG per workload plots output tok/s against per-user tok/s, one curve per
+arm (SGLang's frontier figure).
+
+    python benchmarks/bench_speculative.py --pair qwen3-8b --batch-sizes 1 8 64 --out-dir $OUT
 """
 
 from __future__ import annotations
@@ -62,22 +62,55 @@ def parse_arm(arm: str, rounds_per_call: int = 1) -> ArmSpec:
     return ArmSpec(base, int(rounds) if rounds else rounds_per_call)
 
 
-def build_engine(arm: str, target, ec, table, rounds_per_call: int = 1):
-    """The engine of one arm over the embedded default pair (the target folder ``target``)."""
-    from dspark_jax.default_model import default_drafter_path, default_mtp_path
+class Pair(NamedTuple):
+    """The models every arm shares (one copy of the weights on the device)."""
+    target: object
+    tokenizer: object
+    drafter: object
+    mtp: object
+    sts: object  # the drafter's STS calibration
+
+
+def load_pair(name: str, dtype: str | None) -> Pair:
+    """The embedded pair ("default") or its in-memory expansion to a preset shape."""
+    import jax
+
+    from dspark_jax.calibration.sts import StsCalibration
+    from dspark_jax.checkpoint import load_model
+    from dspark_jax.default_model import default_drafter_path, default_model_path, default_mtp_path
+    from dspark_jax.spec.dspark.checkpoint import drafter_sts_path, load_drafter
+    from dspark_jax.spec.mtp.model import load_mtp
+    from dspark_jax.tokenizer import Tokenizer
+
+    dtype = dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    if name == "default":
+        cfg, target = load_model(default_model_path(), dtype=dtype)
+        _, drafter = load_drafter(default_drafter_path(), dtype=target.dtype)
+        mtp = load_mtp(default_mtp_path(), dtype=target.dtype, target=cfg)
+        return Pair(target, Tokenizer.from_folder(default_model_path()), drafter, mtp,
+                    StsCalibration.load(drafter_sts_path(default_drafter_path())))
+    from dspark_jax.expand import expand_pair
+
+    pair = expand_pair(shape=name, dtype=dtype, progress=True)
+    return Pair(pair.target, pair.tokenizer, pair.drafter, pair.mtp, StsCalibration.load(pair.sts_path))
+
+
+def build_engine(arm: str, pair: Pair, ec, table, rounds_per_call: int = 1):
+    """The engine of one arm over the shared pair; table: a cost table or "derive"."""
     from dspark_jax.engine import Engine
     from dspark_jax.spec.config import SpeculativeConfig
 
     arm, rounds_per_call = parse_arm(arm, rounds_per_call)
     if arm == "none":
-        return Engine.from_pretrained(target, ec)
+        return Engine(pair.target, pair.tokenizer, ec)
     if arm in ("mtp", "mtp1"):
         spec = SpeculativeConfig(algorithm="mtp", num_steps=1 if arm == "mtp1" else 3)
-        return Engine.from_pretrained(target, ec, spec, draft_path=default_mtp_path())
+        return Engine(pair.target, pair.tokenizer, ec, drafter=pair.mtp, spec=spec)
     mode = "static" if arm == "static" else "cap-accept" if arm == "cap-accept" else "compact"
     with_table = arm in ("compact+table", "cap-accept")
-    spec = SpeculativeConfig(mode=mode, cost_table=table if with_table else None, rounds_per_call=rounds_per_call)
-    return Engine.from_pretrained(target, ec, spec, draft_path=default_drafter_path())
+    spec = SpeculativeConfig(mode=mode, cost_table=table if with_table else None, rounds_per_call=rounds_per_call,
+                             sts=pair.sts)
+    return Engine(pair.target, pair.tokenizer, ec, drafter=pair.drafter, spec=spec)
 
 
 def cell_groups(prompts: list[str], bs: int, single: int, waves: int = 1) -> list[list[str]]:
@@ -121,11 +154,16 @@ def run_cell(engines: dict, groups, max_new: int, repeats: int, sampling=(0.0, 0
         tokens = sum(len(r.token_ids) for r in res)
         cell = {"requests": len(res), "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
                 "wall_s_passes": walls[a], "outputs": [r.token_ids for r in res]}
+        per_user = [r.stats["decode_tokens_per_s"] for r in res if r.stats.get("decode_tokens_per_s")]
+        if per_user:
+            cell["per_user_tok_s"] = float(np.mean(per_user))
         spec = [r.stats["spec"] for r in res if "spec" in r.stats]
         if spec:
             acc = np.concatenate([s["accept_lens"] for s in spec])
             cell["accept_length"] = float(acc.mean())
             cell["window"] = float(np.mean([s["window"] for s in spec]))
+            cell["block_accept_length"] = float(np.mean([s["block_accept_length"] for s in spec]))
+            cell["utilization"] = cell["accept_length"] / cell["block_accept_length"]
         stats = getattr(engines[a], "stats", None)
         if stats is not None and stats.get("round_log"):
             # Round periods at the cell's full batch, overlapped (the steady serving loop) and
@@ -182,17 +220,17 @@ def report(args, env, rows: list[dict]) -> None:
         out.append(r)
     rows = out
     payload = {"env": env, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
-    md = [f"# Speculative decoding, embedded default pair ({env['device']}, jax {env['jax']}, {env['date']}, "
+    md = [f"# Speculative decoding, pair {args.pair} ({env['device']}, jax {env['jax']}, {env['date']}, "
           f"commit {env['commit']})\n",
           f"Temperature {args.temperature:g}" + (f" (top-k {args.top_k}, top-p {args.top_p:g}; no token "
                                                    "comparison: sampled outputs follow the target's law, not "
                                                    "the plain engine's draws)" if args.temperature > 0 else "") +
-          f", {args.max_new_tokens} new tokens per request, {args.split} prompts; batch 1 = "
+          f", {args.max_new_tokens} new tokens per request, prompts from {args.prompts or args.corpus}; batch 1 = "
           f"{args.single_prompts} prompts one after another; batch b > 1 = {args.waves} x b prompts, at most b "
           "running at once (requests: how many the workload had). tok/s = generated tokens / wall time (prefill "
           f"included), median of {args.repeats} passes with the arms interleaved; x none = ratio to the plain "
-          "engine in this run; accept = tokens committed per round "
-          "(bonus included); window = verified tokens per request per round (anchor included); step pred/meas = "
+          "engine in this run; per user = a request's decode tokens / its decode time, averaged; accept = tokens "
+          "committed per round (bonus included); util = accept / uncensored block-accept length; window = verified tokens per request per round (anchor included); step pred/meas = "
           "median predicted vs measured round time (compact with the cost table); same tokens = every request's output equals "
           "the plain engine's, else how many requests differ and the median token where they first do; "
           "x static paired = median over passes of the arm's tok/s over static's in the same pass "
@@ -200,9 +238,9 @@ def report(args, env, rows: list[dict]) -> None:
           "loop) / synchronous (first round after an admission drained the loop), over the timed passes.\n",
           f"Engines in {args.dtype or 'the checkpoint dtype'}, matmul precision {args.matmul_precision or 'default'}, "
           f"execution {args.execution}, {args.rounds_per_call} DSpark round(s) per dispatch.\n",
-          "| workload | batch | requests | arm | tok/s | x none | x static paired | accept | window | "
+          "| workload | batch | requests | arm | tok/s | x none | per user | x static paired | accept | window | util | "
           "round ms overl / sync | step pred / meas ms | same tokens |",
-          "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+          "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in sorted(rows, key=lambda r: (r["workload"], r["batch"], ARMS.index(parse_arm(r["arm"]).base), r["arm"])):
         step = (f"{r['step_predicted_ms']:.3f} / {r['step_measured_ms']:.3f}"
                 if "step_predicted_ms" in r else "")
@@ -215,8 +253,9 @@ def report(args, env, rows: list[dict]) -> None:
         paired = r.get("paired_speedup_vs_static")
         paired = f"{np.median(paired):.2f} [{min(paired):.2f}, {max(paired):.2f}]" if paired else ""
         md.append(f"| {r['workload']} | {r['batch']} | {r['requests']} | {r['arm']} | {r['tok_s']:.0f} | "
-                  f"{r.get('speedup_vs_none', float('nan')):.2f} | {paired} | {r.get('accept_length', 1.0):.2f} | "
-                  f"{r.get('window', float('nan')):.2f} | {rounds} | {step} | {same} |")
+                  f"{r.get('speedup_vs_none', float('nan')):.2f} | {r.get('per_user_tok_s', float('nan')):.1f} | "
+                  f"{paired} | {r.get('accept_length', 1.0):.2f} | {r.get('window', float('nan')):.2f} | "
+                  f"{r.get('utilization', float('nan')):.2f} | {rounds} | {step} | {same} |")
     predictions = [{"workload": r["workload"], "batch": r["batch"], **r["step_prediction"]}
                    for r in rows if "step_prediction" in r]
     if predictions:
@@ -224,36 +263,94 @@ def report(args, env, rows: list[dict]) -> None:
                "the median per-round error beside its jitter floor (an oracle predicting each round by the median "
                "measured time of its batch-size bucket and regime; benchmarks/step_prediction.py).", "",
                *prediction_markdown(predictions)]
-    for p in write_results(f"speculative_default_{env['platform']}{args.tag}", payload, "\n".join(md) + "\n",
-                           args.out_dir):
+    name = f"speculative_{args.pair}_{env['platform']}{args.tag}"
+    for p in write_results(name, payload, "\n".join(md) + "\n", args.out_dir):
         print("wrote", p)
+    plot_frontier(rows, name, args.out_dir)
     print("\n".join(md))
+
+
+def plot_frontier(rows: list[dict], name: str, out_dirs) -> None:
+    """Output tok/s against per-user tok/s, one curve per arm over the batch sizes, per workload."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    from benchmarks.common import result_dirs
+
+    workloads = sorted({r["workload"] for r in rows})
+    fig, axes = plt.subplots(1, len(workloads), figsize=(4.2 * len(workloads), 3.8), squeeze=False)
+    for ax, w in zip(axes[0], workloads):
+        for arm in sorted({r["arm"] for r in rows}, key=lambda a: ARMS.index(parse_arm(a).base)):
+            pts = sorted((r["per_user_tok_s"], r["tok_s"]) for r in rows
+                         if r["workload"] == w and r["arm"] == arm and "per_user_tok_s" in r)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", ms=3, label=arm)
+        ax.set_title(w)
+        ax.set_xlabel("per-user tok/s")
+        ax.set_ylabel("output tok/s")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    for d in result_dirs(out_dirs):
+        d.mkdir(parents=True, exist_ok=True)
+        fig.savefig(d / f"{name}_frontier.png", dpi=110)
+    plt.close(fig)
+
+
+def load_prompts(args, tokenizer) -> dict[str, list[str]]:
+    """Prompts per workload (at most --max-prompt-tokens long), plus "mixed": every workload's
+    interleaved, so a batch holds all of them at once."""
+    by_workload: dict[str, list[str]] = {}
+    if args.corpus is not None:
+        from training.drafter.selfdistill import SelfDistillConfig, select_prompts
+
+        need = max(max(args.batch_sizes), args.single_prompts)
+        cfg = SelfDistillConfig(split=args.split, per_workload=max(4 * need, args.waves * max(args.batch_sizes)),
+                                max_prompt_tokens=args.max_prompt_tokens)
+        records = select_prompts(args.corpus, cfg)
+    else:
+        import json
+
+        records = [json.loads(line) for f in sorted(Path(args.prompts).glob("*.jsonl"))
+                   for line in f.read_text().splitlines() if line.strip()]
+    for rec in records:
+        if len(tokenizer.encode(rec["prompt"])) <= args.max_prompt_tokens:
+            by_workload.setdefault(rec["workload"], []).append(rec["prompt"])
+    if "mixed" in args.workloads:
+        groups = [by_workload[w] for w in sorted(by_workload)]
+        by_workload["mixed"] = [p for row in zip(*groups) for p in row]
+    return {w: ps for w, ps in by_workload.items() if w in args.workloads}
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--corpus", required=True, type=Path)
-    ap.add_argument("--split", default="heldout")
+    ap.add_argument("--pair", default="default", help="default, or a preset to expand to (qwen3-8b, qwen3-4b, qwen3-1.7b)")
+    ap.add_argument("--prompts", default=str(Path(__file__).parent / "prompts"), help="folder of <workload>.jsonl")
+    ap.add_argument("--corpus", type=Path, default=None, help="a built corpus instead of --prompts")
+    ap.add_argument("--split", default="heldout", help="the corpus split (--corpus)")
+    ap.add_argument("--workloads", default="code,math,verse,mixed")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--single-prompts", type=int, default=4, help="prompts run one by one at batch 1")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--max-prompt-tokens", type=int, default=384)
-    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--arms", default="none,static,compact+table,compact,mtp")
     ap.add_argument("--repeats", type=int, default=3, help="timed passes per cell (arms interleaved)")
-    ap.add_argument("--warmup-passes", type=int, default=1, help="untimed passes per arm and cell first (with "
-                    "--lazy-compile, shapes they meet compile outside the timed passes)")
+    ap.add_argument("--warmup-passes", type=int, default=1, help="untimed passes per arm and cell first")
     ap.add_argument("--waves", type=int, default=1, help="prompts per cell = waves x batch size, at most batch size "
                     "running at once (finished requests replaced from the queue)")
-    ap.add_argument("--sps-table-path", type=Path, help="profiled cost table for compact+table")
-    ap.add_argument("--dtype", default=None, help="engine compute dtype (default: the checkpoint's)")
+    ap.add_argument("--sps-table-path", type=Path, help="cost table for compact+table and cap-accept (default: "
+                    "derived on this device at start-up)")
+    ap.add_argument("--dtype", default=None, help="engine dtype (default: float32 on CPU, else bf16)")
     ap.add_argument("--matmul-precision", default=None, help="jax_default_matmul_precision, e.g. highest: "
                     "with --dtype float32, separates numerics from algorithm when outputs differ")
     ap.add_argument("--lazy-compile", action="store_true", help="compile each shape on first use (the warm-up "
-                    "pass), not every tier at start-up: for equality checks, where start-up time matters more")
+                    "pass), not every executable at start-up")
     ap.add_argument("--execution", default="default", choices=("default", "scanned-xla"),
-                    help="scanned-xla: every layer / drafting loop as an XLA while loop and XLA's norms and K/V "
-                         "write (the engines before 2026-12-01), to compare with the defaults (unrolled loops "
-                         "and the fused kernels on the GPU)")
+                    help="scanned-xla: layer and drafting loops as XLA while loops and no Pallas kernels")
     ap.add_argument("--rounds-per-call", type=int, default=1,
                     help="DSpark rounds per dispatch (SpeculativeConfig.rounds_per_call)")
     ap.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (0: greedy, "
@@ -267,39 +364,34 @@ def main(argv=None):
         import jax
 
         jax.config.update("jax_default_matmul_precision", args.matmul_precision)
-    from dspark_jax.default_model import default_model_path
     from dspark_jax.engine import EngineConfig
     from dspark_jax.spec.dspark.cost_model import load_cost_table
-    from dspark_jax.tokenizer import Tokenizer
-    from training.drafter.selfdistill import SelfDistillConfig, select_prompts
 
     arms = [a for a in args.arms.split(",") if a]
     try:
-        bases = [parse_arm(a).base for a in arms]
+        [parse_arm(a) for a in arms]
     except ValueError as e:
         ap.error(str(e))
-    if {"compact+table", "cap-accept"} & set(bases) and args.sps_table_path is None:
-        ap.error("compact+table and cap-accept need --sps-table-path")
-    table = load_cost_table(args.sps_table_path) if args.sps_table_path else None
+    table = load_cost_table(args.sps_table_path) if args.sps_table_path else "derive"
     env = environment()
-    target = default_model_path()
-    tok = Tokenizer.from_folder(target)
-    need = max(max(args.batch_sizes), args.single_prompts)
-    cfg = SelfDistillConfig(split=args.split, per_workload=max(4 * need, args.waves * max(args.batch_sizes)),
-                            max_prompt_tokens=args.max_prompt_tokens)
-    by_workload: dict[str, list[str]] = {}
-    for p in select_prompts(args.corpus, cfg):
-        if len(tok.encode(p["prompt"])) <= args.max_prompt_tokens:
-            by_workload.setdefault(p["workload"], []).append(p["prompt"])
-    ec = EngineConfig(max_running_requests=max(args.batch_sizes),
-                      max_model_len=args.max_prompt_tokens + args.max_new_tokens + 32, dtype=args.dtype,
-                      precompile=not args.lazy_compile,
+    t0 = time.perf_counter()
+    pair = load_pair(args.pair, args.dtype)
+    print(f"pair {args.pair} ready in {time.perf_counter() - t0:.0f} s", flush=True)
+    by_workload = load_prompts(args, pair.tokenizer)
+    R = max(args.batch_sizes)
+    max_len = args.max_prompt_tokens + args.max_new_tokens + 64
+    ec = EngineConfig(max_running_requests=R, max_model_len=max_len, precompile=not args.lazy_compile,
+                      num_pages=R * -(-max_len // 16) + 1,  # every arm its own pool, no more than it needs
                       **(dict(unroll_decode=False, kernels="reference") if args.execution == "scanned-xla" else {}))
     engines, setup = {}, {}
-    for arm in arms:
+    for arm in sorted(arms, key=lambda a: a != "compact+table"):  # a table derived once serves every arm
         t0 = time.perf_counter()
-        engines[arm] = build_engine(arm, target, ec, table, rounds_per_call=args.rounds_per_call)
+        engines[arm] = build_engine(arm, pair, ec, table, rounds_per_call=args.rounds_per_call)
+        if table == "derive" and parse_arm(arm).base == "compact+table":
+            table = engines[arm].worker.scheduler.cost_table
         setup[arm] = time.perf_counter() - t0
+        print(f"{arm}: built in {setup[arm]:.0f} s (compile {engines[arm].compile_seconds:.0f} s)", flush=True)
+    engines = {a: engines[a] for a in arms}  # run order as given
     rows = []
     for workload, prompts in sorted(by_workload.items()):
         for bs in args.batch_sizes:
@@ -311,8 +403,17 @@ def main(argv=None):
             for arm, cell in cells.items():
                 rows.append({"arm": arm, "workload": workload, "batch": bs, "setup_s": setup[arm], **cell})
                 print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()
-                       if k not in ("outputs", "wall_s_passes")}, flush=True)
+                       if k not in ("outputs", "wall_s_passes", "step_rounds", "step_prediction")}, flush=True)
             report(args, env, rows)  # after every cell: a run cut short keeps what it measured
+    tables = {a: e.worker.scheduler.cost_table.to_dict() for a, e in engines.items()
+              if getattr(getattr(e.worker, "scheduler", None), "cost_table", None) is not None}
+    if tables:  # the tables the arms scheduled with (derived ones included), beside the results
+        import json
+
+        from benchmarks.common import result_dirs
+
+        for d in result_dirs(args.out_dir):
+            (d / f"speculative_{args.pair}_{env['platform']}{args.tag}_tables.json").write_text(json.dumps(tables))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from dataclasses import field
 from pathlib import Path
 
 ALGORITHMS = ("NONE", "DSPARK", "MTP")
+EXPAND_PREFIX = "expand:"
 
 
 def _opt(default=None, help: str = "", **meta):
@@ -28,7 +29,9 @@ def _opt(default=None, help: str = "", **meta):
 @dataclasses.dataclass
 class ServerArgs:
     # -- model and drafter ---------------------------------------------------------------------
-    model_path: str | None = _opt(help="Hugging Face Qwen3 folder (default: the embedded default model)")
+    model_path: str | None = _opt(help="Hugging Face Qwen3 folder (default: the embedded default model), or "
+                                       "expand:SHAPE (qwen3-8b, qwen3-4b, qwen3-1.7b) for the embedded pair expanded to "
+                                       "that shape in memory, every token choice kept (dspark_jax.expand)")
     draft_model_path: str | None = _opt(
         help="drafter folder: a DSpark drafter, or an MTP drafter for --speculative-algorithm MTP (default with "
              "the embedded model: its embedded drafter of that kind)")
@@ -106,6 +109,9 @@ class ServerArgs:
 
         embedded = self.model_path is None
         model = self.model_path or str(default_model_path())
+        expanded = model.startswith(EXPAND_PREFIX)
+        if expanded and self.draft_model_path:
+            raise ValueError(f"{model} brings its own expanded drafters: drop --draft-model-path")
         algo = self.speculative_algorithm
         if algo is not None and algo not in ALGORITHMS:
             raise ValueError(f"--speculative-algorithm must be one of {ALGORITHMS}, got {algo!r}")
@@ -113,9 +119,11 @@ class ServerArgs:
             if self.draft_model_path:
                 algo = "MTP" if is_mtp_folder(self.draft_model_path) else "DSPARK"
             else:
-                algo = "DSPARK" if embedded and default_drafter_path() is not None else "NONE"
+                algo = "DSPARK" if expanded or (embedded and default_drafter_path() is not None) else "NONE"
         draft = self.draft_model_path
-        if draft is None and embedded and algo != "NONE":
+        if expanded and algo != "NONE":
+            draft = model  # the expansion's own drafter of that kind
+        elif draft is None and embedded and algo != "NONE":
             embedded_draft = default_mtp_path() if algo == "MTP" else default_drafter_path()
             draft = str(embedded_draft) if embedded_draft else None
         if algo != "NONE" and draft is None:
@@ -132,7 +140,7 @@ class ServerArgs:
             raise ValueError(f"{', '.join(dspark_only)}: DSpark options, not used by --speculative-algorithm {algo}")
         if algo != "MTP" and self.mtp_steps is not None:
             raise ValueError("--mtp-steps needs --speculative-algorithm MTP")
-        if self.block_size is not None:
+        if self.block_size is not None and not expanded:
             _check_block_size(draft, self.block_size)
         for flag, value, low in (("--max-running-requests", self.max_running_requests, 1),
                                  ("--max-prefill-tokens", self.max_prefill_tokens, 1), ("--page-size", self.page_size, 1),
@@ -181,8 +189,32 @@ class ServerArgs:
         from dspark_jax.engine import Engine
 
         spec = self.speculative_config()
+        if self.model_path.startswith(EXPAND_PREFIX):
+            return self._expanded_engine(spec)
         return Engine.from_pretrained(self.model_path, self.engine_config(), spec,
                                       draft_path=self.draft_model_path if spec is not None else None)
+
+    def _expanded_engine(self, spec):
+        """The embedded pair expanded in memory to the shape after ``expand:``."""
+        import dataclasses as dc
+
+        import jax
+
+        from dspark_jax.calibration.sts import StsCalibration
+        from dspark_jax.engine import Engine
+        from dspark_jax.expand import expand_pair
+
+        ec = self.engine_config()
+        dtype = self.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+        pair = expand_pair(shape=self.model_path[len(EXPAND_PREFIX):], dtype=dtype, progress=True,
+                           max_position_embeddings=max(self.max_model_len or 4096, 4096))
+        drafter = {"DSPARK": pair.drafter, "MTP": pair.mtp}.get(self.speculative_algorithm)
+        if spec is not None and spec.algorithm == "dspark" and spec.sts is None and not spec.record_sts_dir \
+                and pair.sts_path is not None:
+            spec = dc.replace(spec, sts=StsCalibration.load(pair.sts_path))
+        if spec is not None and spec.algorithm == "mtp" and spec.num_steps is None:
+            spec = dc.replace(spec, num_steps=3)
+        return Engine(pair.target, pair.tokenizer, ec, drafter=drafter, spec=spec)
 
     def to_json(self) -> str:
         return json.dumps({k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()})

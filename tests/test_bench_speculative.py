@@ -94,7 +94,8 @@ def test_report_pairs_each_arm_with_static_pass_by_pass(tmp_path):
 
     # pass 2 ran slow for both arms: the medians of separate passes would pair 1.0 s with 1.1 s
     rows = [row("none", [2.0, 4.0, 2.0]), row("static", [1.0, 2.0, 1.1]), row("compact", [0.8, 2.5, 1.0])]
-    args = argparse.Namespace(max_new_tokens=8, split="heldout", single_prompts=1, waves=1, repeats=3, dtype=None,
+    args = argparse.Namespace(pair="default", prompts="p", corpus=None, max_new_tokens=8, split="heldout",
+                              single_prompts=1, waves=1, repeats=3, dtype=None,
                               matmul_precision=None, execution="default", rounds_per_call=1, temperature=0.0, top_k=0,
                               top_p=1.0, tag="",
                               out_dir=[str(tmp_path)])

@@ -141,7 +141,7 @@ def test_greedy_equals_plain_engine(engines, plain, kind):
     acc = np.asarray(eng.stats["accept_lens"])
     assert eng.stats["rounds"] > rounds0 and (np.asarray(eng.stats["verify_lens"]) == k + 1).all()
     summ = eng.summary()
-    assert summ["mode"] == "mtp" and summ["rounds"] == eng.stats["rounds"]
+    assert summ["algorithm"] == "mtp" and summ["rounds"] == eng.stats["rounds"]
     assert abs(summ["accept_length"] - acc.mean()) < 1e-9 and summ["window"] == k + 1
     assert summ["window_histogram"][k + 1] == len(acc)
     if kind == "repeat":  # multi-token commits, partial accepts and rejections all happened
