@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     server_args = [a for a in args.server_args if a != "--"]
     cache = args.cache_dir or Path(tempfile.mkdtemp(prefix="dspark-startup-"))
-    logs = Path(args.out_dir[0]) if args.out_dir else Path(tempfile.mkdtemp())
+    logs = Path(args.out_dir[0]) / "logs" if args.out_dir else Path(tempfile.mkdtemp())
     logs.mkdir(parents=True, exist_ok=True)
     runs = []
     for i in range(1 + args.warm_runs):
