@@ -365,6 +365,7 @@ def main(argv=None):
 
         jax.config.update("jax_default_matmul_precision", args.matmul_precision)
     from dspark_jax.engine import EngineConfig
+    from dspark_jax.engine.engine import compile_engines
     from dspark_jax.spec.dspark.cost_model import load_cost_table
 
     arms = [a for a in args.arms.split(",") if a]
@@ -380,18 +381,24 @@ def main(argv=None):
     by_workload = load_prompts(args, pair.tokenizer)
     R = max(args.batch_sizes)
     max_len = args.max_prompt_tokens + args.max_new_tokens + 64
-    ec = EngineConfig(max_running_requests=R, max_model_len=max_len, precompile=not args.lazy_compile,
+    ec = EngineConfig(max_running_requests=R, max_model_len=max_len, precompile=False,
                       num_pages=R * -(-max_len // 16) + 1,  # every arm its own pool, no more than it needs
                       **(dict(unroll_decode=False, kernels="reference") if args.execution == "scanned-xla" else {}))
     engines, setup = {}, {}
-    for arm in sorted(arms, key=lambda a: a != "compact+table"):  # a table derived once serves every arm
-        t0 = time.perf_counter()
+    for arm in arms:
         engines[arm] = build_engine(arm, pair, ec, table, rounds_per_call=args.rounds_per_call)
-        if table == "derive" and parse_arm(arm).base == "compact+table":
-            table = engines[arm].worker.scheduler.cost_table
-        setup[arm] = time.perf_counter() - t0
-        print(f"{arm}: built in {setup[arm]:.0f} s (compile {engines[arm].compile_seconds:.0f} s)", flush=True)
-    engines = {a: engines[a] for a in arms}  # run order as given
+    if not args.lazy_compile:  # every arm's executables at once, on every core
+        t0 = time.perf_counter()
+        print(f"compiled every arm in {compile_engines(list(engines.values())):.0f} s", flush=True)
+    for arm, engine in sorted(engines.items(), key=lambda kv: kv[0] != "compact+table"):
+        if table == "derive" and parse_arm(arm).base in ("compact+table", "cap-accept"):
+            t0 = time.perf_counter()
+            engine.worker.calibrate()  # profiled once, then shared
+            table = engine.worker.scheduler.cost_table
+            setup[arm] = time.perf_counter() - t0
+            print(f"{arm}: cost table derived in {setup[arm]:.0f} s: {table.to_dict()}", flush=True)
+        elif table != "derive" and parse_arm(arm).base in ("compact+table", "cap-accept"):
+            engine.worker.use_table(table)
     rows = []
     for workload, prompts in sorted(by_workload.items()):
         for bs in args.batch_sizes:
@@ -401,7 +408,7 @@ def main(argv=None):
             cells = run_cell(engines, groups, args.max_new_tokens, args.repeats,
                              (args.temperature, args.top_k, args.top_p), warmups=args.warmup_passes)
             for arm, cell in cells.items():
-                rows.append({"arm": arm, "workload": workload, "batch": bs, "setup_s": setup[arm], **cell})
+                rows.append({"arm": arm, "workload": workload, "batch": bs, **cell})
                 print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()
                        if k not in ("outputs", "wall_s_passes", "step_rounds", "step_prediction")}, flush=True)
             report(args, env, rows)  # after every cell: a run cut short keeps what it measured

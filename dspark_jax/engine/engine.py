@@ -63,6 +63,24 @@ def make_worker(drafter=None, spec=None) -> Worker:
     raise TypeError(f"unknown drafter type {type(drafter).__name__}")
 
 
+def compile_engines(engines) -> float:
+    """Compile every executable the engines' workers run, several at a time (XLA compiles outside
+    the GIL, so the host's cores share the work), logging progress; returns seconds spent."""
+    todo = [(label, build) for e in engines for label, build in e.worker.executables()]
+    t0 = time.perf_counter()
+    threads = max(1, min(len(todo), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:
+        futures = {pool.submit(build): label for label, build in todo}
+        for i, done in enumerate(concurrent.futures.as_completed(futures), 1):
+            done.result()
+            spent = time.perf_counter() - t0
+            log.info("compiled %d/%d (%s) at %.0f s, about %.0f s left", i, len(todo), futures[done], spent,
+                     spent / i * (len(todo) - i))
+    for e in engines:
+        e.runner.take_compile_spans()
+    return time.perf_counter() - t0
+
+
 class Engine:
     def __init__(self, model: Qwen3ForCausalLM, tokenizer: Tokenizer | None, config: EngineConfig | None = None, *,
                  drafter=None, spec=None, worker: Worker | None = None):
@@ -95,8 +113,10 @@ class Engine:
         self._inflight = None  # a dispatched, unread step
         self.worker.bind(self)
         self.overlap = ec.overlap and self.worker.overlaps
-        self.compile_seconds = self.compile_all() if ec.precompile else 0.0
-        self.worker.calibrate()
+        self.compile_seconds = 0.0
+        if ec.precompile:  # (a lazily compiled worker calibrates on its first step)
+            self.compile_seconds = self.compile_all()
+            self.worker.calibrate()
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None, spec=None, *,
@@ -128,20 +148,8 @@ class Engine:
         return max(2, min(want, fit))
 
     def compile_all(self) -> float:
-        """Compile every executable the worker runs, several at a time (XLA compiles outside the
-        GIL, so the host's cores share the work), logging progress; returns seconds spent."""
-        todo = self.worker.executables()
-        t0 = time.perf_counter()
-        threads = max(1, min(len(todo), os.cpu_count() or 1))
-        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:
-            futures = {pool.submit(build): label for label, build in todo}
-            for i, done in enumerate(concurrent.futures.as_completed(futures), 1):
-                done.result()
-                spent = time.perf_counter() - t0
-                log.info("compiled %d/%d (%s) at %.0f s, about %.0f s left", i, len(todo), futures[done], spent,
-                         spent / i * (len(todo) - i))
-        self.runner.take_compile_spans()
-        return time.perf_counter() - t0
+        """Compile every executable the worker runs (see compile_engines); returns seconds spent."""
+        return compile_engines([self])
 
     def page_width(self, tokens: int) -> int:
         """The page-table width of a step whose requests touch at most `tokens` positions each:

@@ -90,6 +90,7 @@ class DSparkWorker(DraftWorker):
         # worker compiles for trimming and for plain decode steps, whatever the table turns out to be.
         self._derive = isinstance(spec.cost_table, str) and spec.mode != "static" and spec.forced_budget is None
         self.use_table(None if self._derive else spec.cost_table)
+        self._derive_pending = self._derive
         top = max(engine.decode_buckets) * (G + 1)
         self.tiers = TokenTiers(G, engine.decode_buckets, tier_step=max(64, -(-top // 8 // 64) * 64))
         runner = engine.runner
@@ -119,6 +120,7 @@ class DSparkWorker(DraftWorker):
     def use_table(self, table) -> None:
         """Schedule rounds with this cost table (None: verify everything)."""
         spec = self.spec
+        self._derive_pending = False
         self.scheduler = sched = ConfidenceScheduler(self.gamma, table, lag=self._lag,
                                                      min_predicted_gain=spec.min_predicted_gain)
         priced = spec.mode != "static" and table is not None and spec.forced_budget is None
@@ -208,6 +210,8 @@ class DSparkWorker(DraftWorker):
         """prev: the in-flight (unread) call, whose device outputs feed the anchors and positions
         of the requests it holds (None, and for any other request: the host's committed state,
         which is current because no unread call holds them)."""
+        if self._derive_pending:  # compiled lazily: the table is profiled before the first round
+            self.calibrate()
         G, bs = self.gamma, len(reqs)
         batch = tuple(reqs)  # a slot and its generation stay fixed while a request runs
         if self._batch_slots is None or self._batch_slots[0] != batch:
