@@ -29,7 +29,7 @@ DEFAULT_FRACTIONS = (0.0, 0.5, 1.0)
 
 
 def profile_cells(worker, batch_sizes: Sequence[int], fractions: Sequence[float] = DEFAULT_FRACTIONS, *,
-                  context: int, sampling=(0.0, 0, 1.0), iters: int = 4, warmup: int = 1,
+                  context: int, sampling=(0.0, 0, 1.0), iters: int = 3, warmup: int = 1,
                   progress: Callable[[int, int], None] | None = None) -> list[dict]:
     """Timed cells: {"bs", "K" (None for a plain decode step), "M", "tier", "seconds"}, one per
     (batch size, fraction of the full budget) and one plain decode step per batch size."""
