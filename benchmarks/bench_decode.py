@@ -24,8 +24,16 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.common import (add_backend_args, backend_kwargs, copy_bandwidth, environment, random_model, time_chain,
-                               time_fn, write_results)
+from benchmarks.common import (
+    add_backend_args,
+    backend_kwargs,
+    copy_bandwidth,
+    environment,
+    random_model,
+    time_chain,
+    time_fn,
+    write_results,
+)
 from dspark_jax.config import Qwen3Config
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.engine.model_runner import round_up
@@ -132,8 +140,8 @@ def main(argv=None):
                                     pages_per_seq=engine.pages_per_seq)
         batch = jax.device_put(batch)
         samp = jax.device_put(sampling_arrays([params] * bs, [0] * bs, [ctx] * bs, B))
-        step = time_chain(lambda: engine.worker.run(batch, samp, "greedy"), 20)
-        step_sync = time_fn(lambda: engine.worker.run(batch, samp, "greedy").block_until_ready(), warmup=3, iters=30)
+        step = time_chain(lambda batch=batch, samp=samp: engine.worker.run(batch, samp, "greedy"), 20)
+        step_sync = time_fn(lambda batch=batch, samp=samp: engine.worker.run(batch, samp, "greedy").block_until_ready(), warmup=3, iters=30)
         floor = (wbytes + bs * (ctx + 1) * kv_tok) / bw
         rows.append(dict(batch=bs, per_user_tok_s=per_user, aggregate_tok_s=per_user * bs,
                          e2e_wall_tok_s=engine.last_generate_stats["tokens_per_s"], step_ms=step * 1e3,

@@ -38,8 +38,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import (copy_bandwidth, device_us_per_call, environment,  # noqa: E402
-                               exit_if_check_failed, write_results)
+from benchmarks.common import copy_bandwidth, device_us_per_call, environment, exit_if_check_failed, write_results  # noqa: E402
 from benchmarks.hlo_launches import count_launches  # noqa: E402
 from dspark_jax.layers.rotary import rope_cos_sin  # noqa: E402
 from pallas_kernels.kv_write import write_kv_from_qkv, write_kv_from_qkv_reference  # noqa: E402
@@ -167,7 +166,7 @@ def main(argv=None):
                    bytes=nbytes, roofline_us=nbytes / bw * 1e6)
         rows.append(row)
         log(row)
-    md = [f"# K/V write (and q's norm + rope) from the qkv projection: Pallas kernel vs XLA\n",
+    md = ["# K/V write (and q's norm + rope) from the qkv projection: Pallas kernel vs XLA\n",
           f"{env['device']}, jax {env['jax']}, {env['date']}, commit {env['commit']}; Hq {s['H']}, Hkv {s['Hk']}, "
           f"D {s['D']}, bf16, stacked cache of {s['L']} layers x {pages} pages of 16; copy bandwidth {bw / 1e12:.2f} TB/s. "
           f"us per call: {method} over {calls} calls (one write per executable).\n",

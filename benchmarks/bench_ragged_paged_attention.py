@@ -343,7 +343,7 @@ def main():
     rows = run_bench(k_pool, v_pool, args.page_size, rng, bw, args)
     meta = dict(
         device=dev.device_kind, jax_version=jax.__version__,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         git_commit=args.git_commit, copy_bw_tb_s=bw / 1e12, page_size=args.page_size,
         heads=dict(q=HQ, kv=HKV, head_dim=D, dtype="bfloat16"), check_passed=check_ok,
         timing="median over 5 repetitions of (chain of n calls in one jit) / n",

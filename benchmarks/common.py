@@ -39,7 +39,7 @@ def environment() -> dict:
         "jax": jax.__version__,
         "flax": flax.__version__,
         "python": platform.python_version(),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "commit": git_commit(),
     }
 
@@ -115,9 +115,9 @@ def host_event_summary(trace_dir: str) -> list[dict]:
                             key=lambda e: (e[0], -e[1]))
             stack = []  # [end_ns, name, duration, nested duration]
 
-            def close(entry):
+            def close(entry, line_name=line.name):
                 end, name, dur, nested = entry
-                t = totals[line.name, name]
+                t = totals[line_name, name]
                 t[0] += 1
                 t[1] += dur
                 t[2] += max(dur - nested, 0.0)

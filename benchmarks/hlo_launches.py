@@ -43,7 +43,7 @@ class LaunchCount:
     by_opcode: collections.Counter = field(default_factory=collections.Counter)
     unknown_trip_whiles: int = 0
 
-    def add(self, other: "LaunchCount", times: int = 1) -> None:
+    def add(self, other: LaunchCount, times: int = 1) -> None:
         self.total += times * other.total
         for k, v in other.by_opcode.items():
             self.by_opcode[k] += times * v

@@ -26,8 +26,14 @@ import jax
 import numpy as np
 
 from benchmarks.bench_decode import SHAPES, weight_bytes_read
-from benchmarks.common import (add_backend_args, backend_kwargs, copy_bandwidth, device_kernel_events, environment,
-                               random_model)
+from benchmarks.common import (
+    add_backend_args,
+    backend_kwargs,
+    copy_bandwidth,
+    device_kernel_events,
+    environment,
+    random_model,
+)
 from dspark_jax.config import Qwen3Config
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.engine.model_runner import round_up

@@ -147,9 +147,9 @@ def load_model(folder: str | Path, *, dtype: str | None = None) -> tuple[Qwen3Co
     for path, (suffixes, is_kernel) in _LAYER_PARAMS.items():
         try:
             _get(expected["layers"], path)
-        except KeyError:
+        except KeyError as missing:
             if any(a is not None for sfx in suffixes for a in hf_layers[sfx]):
-                raise CheckpointError(f"{folder}: {suffixes[0]} present but the config disables it")
+                raise CheckpointError(f"{folder}: {suffixes[0]} present but the config disables it") from missing
             continue
         per_layer = []
         for i in range(L):

@@ -27,7 +27,7 @@ class LayerShape:
     rope_theta: float = 1_000_000.0
 
     @classmethod
-    def shape_of(cls, config: "LayerShape") -> dict[str, Any]:
+    def shape_of(cls, config: LayerShape) -> dict[str, Any]:
         """The LayerShape fields of any config that has them, as keyword arguments."""
         return {f.name: getattr(config, f.name) for f in dataclasses.fields(LayerShape)}
 
@@ -55,7 +55,7 @@ class Qwen3Config(LayerShape):
         return self.num_attention_heads // self.num_key_value_heads
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "Qwen3Config":
+    def from_hf_dict(cls, d: dict[str, Any]) -> Qwen3Config:
         archs = d.get("architectures") or []
         if d.get("model_type") != "qwen3" or not any(a in SUPPORTED_ARCHITECTURES for a in archs):
             raise CheckpointError(
@@ -94,7 +94,7 @@ class Qwen3Config(LayerShape):
             raise CheckpointError(f"config.json is missing required field {e.args[0]!r}") from None
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "Qwen3Config":
+    def from_file(cls, path: str | Path) -> Qwen3Config:
         try:
             d = json.loads(Path(path).read_text())
         except json.JSONDecodeError as e:

@@ -97,11 +97,11 @@ class ServerArgs:
                                 help=meta["help"] + (f" (default {f.default})" if f.default is not None else ""))
 
     @classmethod
-    def from_namespace(cls, ns: argparse.Namespace) -> "ServerArgs":
+    def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:
         return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})
 
     # -- resolution ----------------------------------------------------------------------------
-    def resolve(self) -> "ServerArgs":
+    def resolve(self) -> ServerArgs:
         """Fill the model, drafter and algorithm defaults and check every combination; raises
         ValueError naming the flags."""
         from dspark_jax.default_model import default_drafter_path, default_model_path, default_mtp_path

@@ -34,7 +34,7 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> "Tokenizer":
+    def from_folder(cls, folder: str | Path) -> Tokenizer:
         folder = Path(folder)
         path = folder / TOKENIZER_FILE
         if not path.exists():

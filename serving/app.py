@@ -34,14 +34,33 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dspark_jax.errors import InvalidRequestError
 from serving.chat import ChatTemplateError, render_chat
 from serving.engine_loop import (
-    EngineDeadError, EngineLoop, RequestFailedError, RequestStream, ServerStoppingError, describe,
+    EngineDeadError,
+    EngineLoop,
+    RequestFailedError,
+    RequestStream,
+    ServerStoppingError,
+    describe,
 )
 from serving.jsonbody import parse_json_body, read_body
 from serving.metrics import ServerMetrics
 from serving.protocol import (
-    REQUEST_MODELS, SSE_DONE, ApiError, ChatCompletionRequest, CompletionRequest, GenerateRequest, Limits,
-    ParsedRequest, api_error_from_validation, now, parse_chat, parse_completion, parse_generate, short, spec_fields,
-    sse, usage,
+    REQUEST_MODELS,
+    SSE_DONE,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    Limits,
+    ParsedRequest,
+    api_error_from_validation,
+    now,
+    parse_chat,
+    parse_completion,
+    parse_generate,
+    short,
+    spec_fields,
+    sse,
+    usage,
 )
 
 log = logging.getLogger("serving")
@@ -346,7 +365,7 @@ def create_app(engine, cfg: ServerConfig | None = None, *,
         async def gen():
             base = {"id": stream.id, "object": "text_completion", "created": created, "model": model}
             extra = {"usage": None} if parsed.include_usage else {}
-            async for text, ids, r in events(stream, parsed.params.stop):
+            async for text, _ids, r in events(stream, parsed.params.stop):
                 if r is None and not text:
                     continue
                 choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": r.finish_reason if r else None}
@@ -389,7 +408,7 @@ def create_app(engine, cfg: ServerConfig | None = None, *,
             extra = {"usage": None} if parsed.include_usage else {}
             first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             yield sse({**base, "choices": [first], **extra})
-            async for text, ids, r in events(stream, parsed.params.stop):
+            async for text, _ids, r in events(stream, parsed.params.stop):
                 if r is None and not text:
                     continue
                 choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,

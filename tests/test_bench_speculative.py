@@ -14,7 +14,7 @@ from benchmarks.bench_speculative import cell_groups, run_cell
 class _Result:
     def __init__(self):
         self.token_ids = [5, 6, 7]
-        self.stats = {"spec": {"accept_lens": [2, 1], "window": 4.0}}
+        self.stats = {"spec": {"accept_lens": [2, 1], "window": 4.0, "block_accept_length": 2.0}}
 
 
 class _FakeEngine:

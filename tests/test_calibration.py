@@ -77,7 +77,7 @@ def test_auroc_hand_and_brute_force_with_ties():
     # pos {0.8, 0.5}, neg {0.5, 0.2}: pairs 0.8>0.5, 0.8>0.2, 0.5=0.5 (½), 0.5>0.2 -> 3.5 / 4
     assert auroc([0.8, 0.5, 0.5, 0.2], [1, 1, 0, 0]) == pytest.approx(0.875)
     rng = np.random.default_rng(0)
-    for trial in range(5):
+    for _trial in range(5):
         pred = np.round(rng.random(300), 1)  # 11 distinct values: many ties
         label = (rng.random(300) < pred * 0.8 + 0.1).astype(int)
         assert auroc(pred, label) == pytest.approx(_brute_force_auroc(pred, label), abs=1e-12)

@@ -9,8 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from training.corpus import SPLITS, WORKLOADS, iter_documents, load_manifest, load_prompts, load_split
-from training.corpus import shakespeare, stdlib_code
+from training.corpus import (
+    SPLITS,
+    WORKLOADS,
+    iter_documents,
+    load_manifest,
+    load_prompts,
+    load_split,
+    shakespeare,
+    stdlib_code,
+)
 from training.corpus.build import build_corpus
 from training.corpus.math_problems import TEMPLATES, generate_problem, generate_problems, parse_answer
 from training.corpus.splits import assign_split

@@ -61,8 +61,8 @@ def test_from_pretrained_calibrates_with_the_drafters_own_sts(tmp_path):
     import numpy as np
 
     from dspark_jax.calibration.sts import StsCalibration
-    from dspark_jax.spec.dspark.checkpoint import drafter_sts_path
     from dspark_jax.spec.config import SpeculativeConfig
+    from dspark_jax.spec.dspark.checkpoint import drafter_sts_path
 
     path = drafter_sts_path(default_drafter_path())
     assert path is not None

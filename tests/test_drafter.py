@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dspark_jax.models.qwen3 import Qwen3ForCausalLM
 from dspark_jax.spec.dspark.config import DSparkConfig
 from dspark_jax.spec.dspark.model import DSparkDrafter, block_visibility_mask, sample_block
-from dspark_jax.models.qwen3 import Qwen3ForCausalLM
 from dspark_jax.tiny_model import tiny_config
 
 V, G = 40, 4

@@ -19,8 +19,15 @@ from training.corpus.storage import split_path, write_jsonl
 from training.drafter.anchors import build_blocks, candidate_anchors, row_blocks, sample_anchors
 from training.drafter.config import DrafterTrainConfig
 from training.drafter.data import BlockGeometry, TrainBatches, make_row, pack
-from training.drafter.selfdistill import (Sample, SelfDistillConfig, document_prompts, generate_split, load_samples,
-                                          select_prompts, shard_path)
+from training.drafter.selfdistill import (
+    Sample,
+    SelfDistillConfig,
+    document_prompts,
+    generate_split,
+    load_samples,
+    select_prompts,
+    shard_path,
+)
 
 M = 3  # mask token id
 LETTERS = "abcdefghijklmnopqrstuvwxyz"

@@ -22,10 +22,10 @@ from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.expand import ExpandError, expand_pair, head_maps, rotary_dim_map, spread, write_pair
 from dspark_jax.models.qwen3 import forward_dense
 from dspark_jax.sampling import SamplingParams, sample
-from dspark_jax.spec.dspark.checkpoint import load_drafter
-from dspark_jax.spec.dspark.model import block_visibility_mask, sample_block
 from dspark_jax.spec.config import SpeculativeConfig
+from dspark_jax.spec.dspark.checkpoint import load_drafter
 from dspark_jax.spec.dspark.cost_model import AdditiveCostTable
+from dspark_jax.spec.dspark.model import block_visibility_mask, sample_block
 from dspark_jax.spec.mtp.model import load_mtp
 
 pytestmark = pytest.mark.skipif(not (EMBEDDED_DRAFTER / "dspark_config.json").exists(),

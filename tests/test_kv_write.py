@@ -209,7 +209,7 @@ def test_tile_shapes_and_triton_lowering():
         cache = sd(((L,) if L else ()) + (64, 16, Hk, D), jnp.bfloat16)
         weight = sd((L, D) if L else (D,), jnp.bfloat16)
 
-        def f(kp, vp, qkv, w, cos, sin, slots, layer, qw):
+        def f(kp, vp, qkv, w, cos, sin, slots, layer, qw, H=H, L=L):
             return write_kv_from_qkv(kp, vp, qkv, w, cos, sin, slots, num_q_heads=H, eps=EPS,
                                      layer=layer if L else None, q_norm_weight=qw)
 

@@ -17,11 +17,11 @@ from flax import nnx
 
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.engine.model_runner import enable_compilation_cache
-from dspark_jax.spec.config import SpeculativeConfig
 from dspark_jax.engine.request import Status
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM, forward_dense
-from dspark_jax.spec.mtp.model import MTPConfig, MTPDrafter, save_mtp
 from dspark_jax.sampling import SamplingParams
+from dspark_jax.spec.config import SpeculativeConfig
+from dspark_jax.spec.mtp.model import MTPConfig, MTPDrafter, save_mtp
 from dspark_jax.tiny_model import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,7 +128,7 @@ def test_greedy_equals_plain_engine(engines, plain, kind):
     _check_idle(eng)
 
     # Per-request stats: every round commits its accept length, only the last one can be cut.
-    for g, p in zip(got, params):
+    for g, _p in zip(got, params):
         n = len(g.token_ids)
         if "spec" not in g.stats:
             assert n == 1  # finished on the prefill token

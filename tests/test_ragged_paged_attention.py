@@ -30,7 +30,6 @@ from pallas_kernels.ragged_paged_attention import (
 from pallas_kernels.ragged_paged_attention.layout import pages_needed, ragged_metadata
 from tests.triton_lowering import cuda_lowering_text
 
-
 # Jitted once per shape: eager op-by-op dispatch of the reference costs seconds on CPU.
 _reference = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale", "causal"))
 

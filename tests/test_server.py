@@ -415,8 +415,8 @@ def test_launch_cli_and_graceful_sigterm(model_dir, tmp_path):
 def test_speculative_server_reports_spec_stats(tmp_path_factory):
     from dspark_jax.checkpoint import load_model
     from dspark_jax.engine import Engine, EngineConfig
-    from dspark_jax.spec.config import SpeculativeConfig
     from dspark_jax.sampling import SamplingParams
+    from dspark_jax.spec.config import SpeculativeConfig
     from dspark_jax.tiny_model import write_tiny_model
     from dspark_jax.tokenizer import Tokenizer
     from serving.app import ServerConfig, create_app
@@ -474,8 +474,8 @@ def test_speculative_server_concurrent_streams_and_disconnect(tmp_path_factory):
     that disconnects mid-stream frees its slot and every KV page (target and draft caches share them)."""
     from dspark_jax.checkpoint import load_model
     from dspark_jax.engine import Engine, EngineConfig
-    from dspark_jax.spec.config import SpeculativeConfig
     from dspark_jax.sampling import SamplingParams
+    from dspark_jax.spec.config import SpeculativeConfig
     from dspark_jax.tiny_model import write_tiny_model
     from dspark_jax.tokenizer import Tokenizer
     from serving.app import ServerConfig, create_app

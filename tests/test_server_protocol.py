@@ -8,8 +8,16 @@ pytest.importorskip("fastapi")
 
 from serving.jsonbody import MAX_DEPTH, MAX_INT_DIGITS, parse_json_body  # noqa: E402
 from serving.protocol import (  # noqa: E402
-    _NOT_IMPLEMENTED, ApiError, ChatCompletionRequest, CompletionRequest, GenerateRequest, GenerateSamplingParams, Limits,
-    parse_chat, parse_completion, parse_generate,
+    _NOT_IMPLEMENTED,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    GenerateSamplingParams,
+    Limits,
+    parse_chat,
+    parse_completion,
+    parse_generate,
 )
 
 LIM = Limits(max_model_len=128, vocab_size=300)

@@ -23,7 +23,6 @@ import json
 import shutil
 from pathlib import Path
 
-
 from dspark_jax.checkpoint import save_model
 from dspark_jax.config import Qwen3Config
 from training.pretrain.checkpoint import restore_run_params

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -107,7 +108,7 @@ class StsCalibration:
         return len(self.temperatures)
 
     @classmethod
-    def identity(cls, block_size: int) -> "StsCalibration":
+    def identity(cls, block_size: int) -> StsCalibration:
         """All temperatures 1: the raw confidence head (what data collection must run with)."""
         return cls((1.0,) * block_size)
 
@@ -131,7 +132,7 @@ class StsCalibration:
         return json.dumps(self.to_dict(extra), indent=2, allow_nan=False)
 
     @classmethod
-    def from_dict(cls, obj: Any, block_size: int | None = None) -> "StsCalibration":
+    def from_dict(cls, obj: Any, block_size: int | None = None) -> StsCalibration:
         if not isinstance(obj, Mapping):
             raise ValueError(f"STS calibration must be a JSON object; got {type(obj).__name__}")
         present = [k for k in TEMPERATURE_KEYS if k in obj]
@@ -142,7 +143,7 @@ class StsCalibration:
         return cls(_parse_temperatures(obj[present[0]], block_size))
 
     @classmethod
-    def from_json(cls, text: str, block_size: int | None = None) -> "StsCalibration":
+    def from_json(cls, text: str, block_size: int | None = None) -> StsCalibration:
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
@@ -150,7 +151,7 @@ class StsCalibration:
         return cls.from_dict(obj, block_size)
 
     @classmethod
-    def load(cls, path: str | Path, block_size: int | None = None) -> "StsCalibration":
+    def load(cls, path: str | Path, block_size: int | None = None) -> StsCalibration:
         """Read a calibration file; `block_size` (the drafter's γ) is checked when given."""
         try:
             return cls.from_json(Path(path).read_text(), block_size)

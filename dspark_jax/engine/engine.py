@@ -120,7 +120,7 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None, spec=None, *,
-                        draft_path: str | Path | None = None, **overrides) -> "Engine":
+                        draft_path: str | Path | None = None, **overrides) -> Engine:
         """A Hugging Face Qwen3 folder, and with ``draft_path`` a drafter folder (DSpark or MTP,
         as ``spec.algorithm`` says; a DSpark drafter's own sts.json calibrates its confidences
         unless ``spec.sts`` is given or STS data is being recorded)."""

@@ -35,7 +35,7 @@ class HostPack:
     size: int
 
     @classmethod
-    def of(cls, abstract, device_fields: tuple[str, ...] = ()) -> "HostPack":
+    def of(cls, abstract, device_fields: tuple[str, ...] = ()) -> HostPack:
         """The layout of `abstract` (a NamedTuple or dataclass of arrays or ShapeDtypeStructs)."""
         names = field_names(type(abstract))
         unknown = set(device_fields) - set(names)

@@ -16,6 +16,7 @@ from dspark_jax.forward_batch import ForwardBatch
 from pallas_kernels.backend import resolve_backend as _resolve
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_op, write_kv_pages
 
+
 def resolve_backend(name: str) -> str:
     """"auto" means the Pallas kernel on GPU and the jnp reference elsewhere."""
     return _resolve(name, "attention")

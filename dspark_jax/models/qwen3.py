@@ -295,7 +295,7 @@ class Qwen3ForCausalLM(nnx.Module):
             carry, _ = jax.lax.scan(body, carry, (layer_state, jnp.arange(L, dtype=jnp.int32)))
         else:
             for i in range(L):
-                carry, _ = body(carry, (jax.tree.map(lambda a: a[i], layer_state), jnp.int32(i)))
+                carry, _ = body(carry, (jax.tree.map(lambda a, i=i: a[i], layer_state), jnp.int32(i)))
         x, delta, kc, vc, taps = carry
         hidden, _ = add_rms_norm(self.norm, delta, x, norm_backend)
         logits = self.logits(hidden[batch.logits_indices])
@@ -308,7 +308,7 @@ class DenseOutput(NamedTuple):
 
 
 def forward_dense(
-    model: "Qwen3ForCausalLM",
+    model: Qwen3ForCausalLM,
     input_ids: jax.Array,
     positions: jax.Array,
     segment_ids: jax.Array | None = None,

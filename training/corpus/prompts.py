@@ -9,8 +9,9 @@ would be tokenized differently from the same newline followed by text).
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence, TypeVar
+from typing import TypeVar
 
 from training.corpus.storage import read_jsonl, write_jsonl
 

@@ -8,9 +8,9 @@ run never sees.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from tqdm import tqdm
 

@@ -95,7 +95,7 @@ class DrafterTrainConfig:
         if self.target_layer_ids is not None:
             object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
 
-    def numerics(self) -> "DrafterTrainConfig":
+    def numerics(self) -> DrafterTrainConfig:
         """This config with the bookkeeping fields at their defaults: two configs with the same
         numerics compute identical steps (and may share compiled executables)."""
         return dataclasses.replace(self, **{f: _DEFAULTS[f] for f in BOOKKEEPING})
@@ -114,7 +114,7 @@ class DrafterTrainConfig:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "DrafterTrainConfig":
+    def from_json(cls, d: dict) -> DrafterTrainConfig:
         return cls(**d)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
 from dspark_jax.spec.dspark.checkpoint import (  # noqa: F401  (re-exported for training code and tests)
     CONFIG_FILE,
     WEIGHTS_FILE,

@@ -33,8 +33,14 @@ from training.drafter.config import DrafterTrainConfig
 from training.drafter.data import BlockGeometry, TrainBatches
 from training.drafter.evaluate import evaluate, mean_tau, workload_sets
 from training.drafter.selfdistill import MANIFEST_FILE, dataset_fingerprint, load_samples, weights_fingerprint
-from training.drafter.step import (DrafterSteps, abstract_drafter_params, add_sums, init_drafter_params, summarize,
-                                   target_params)
+from training.drafter.step import (
+    DrafterSteps,
+    abstract_drafter_params,
+    add_sums,
+    init_drafter_params,
+    summarize,
+    target_params,
+)
 from training.pretrain.checkpoint import RunCheckpoints, best_dir, save_params
 from training.pretrain.loop import check_run_record, truncate_metrics
 from training.pretrain.parallel import data_mesh, replicated, shard_batch

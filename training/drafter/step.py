@@ -35,6 +35,7 @@ import optax
 from flax import nnx
 
 from dspark_jax.config import Qwen3Config
+from dspark_jax.models.qwen3 import forward_dense
 from dspark_jax.spec.dspark.config import DSparkConfig
 from dspark_jax.spec.dspark.losses import (
     CE_WEIGHT,
@@ -48,10 +49,9 @@ from dspark_jax.spec.dspark.losses import (
     position_weights,
 )
 from dspark_jax.spec.dspark.model import DSparkDrafter, block_visibility_mask
-from dspark_jax.models.qwen3 import forward_dense
 from training.drafter.config import TRAINABLE, DrafterTrainConfig
 from training.pretrain.parallel import replicated
-from training.pretrain.step import DTYPES, tree_norm, make_optimizer, params_to_model
+from training.pretrain.step import DTYPES, make_optimizer, params_to_model, tree_norm
 
 
 def abstract_drafter(cfg: DSparkConfig, dtype=jnp.float32) -> DSparkDrafter:
@@ -250,7 +250,7 @@ def drafter_optimizer(tc: DrafterTrainConfig):
     tx, schedule = make_optimizer(tc)
     groups = TRAINABLE[tc.trainable]
     if groups is not None:
-        label = lambda params: {k: jax.tree.map(lambda _: "train" if k in groups else "frozen", v)
+        label = lambda params: {k: jax.tree.map(lambda _, k=k: "train" if k in groups else "frozen", v)
                                 for k, v in params.items()}
         tx = optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, label)
     return tx, schedule
@@ -263,12 +263,12 @@ class DrafterSteps:
     same process trains with the same numerics again, e.g. when resuming in-process."""
 
     @staticmethod
-    def for_run(dcfg: DSparkConfig, tcfg: Qwen3Config, tc: DrafterTrainConfig, mesh) -> "DrafterSteps":
+    def for_run(dcfg: DSparkConfig, tcfg: Qwen3Config, tc: DrafterTrainConfig, mesh) -> DrafterSteps:
         return DrafterSteps._cached(dcfg, tcfg, tc.numerics(), mesh)
 
     @staticmethod
     @functools.lru_cache(maxsize=4)
-    def _cached(dcfg, tcfg, tc, mesh) -> "DrafterSteps":
+    def _cached(dcfg, tcfg, tc, mesh) -> DrafterSteps:
         return DrafterSteps(dcfg, tcfg, tc, mesh)
 
     def __init__(self, dcfg: DSparkConfig, tcfg: Qwen3Config, tc: DrafterTrainConfig, mesh):

@@ -26,12 +26,12 @@ from tqdm.auto import tqdm
 
 from dspark_jax.checkpoint import load_model
 from dspark_jax.spec.mtp.model import MTPConfig, save_mtp
+from training.mtp.step import METRICS, LossConfig, MTPSteps, abstract_mtp_params, init_mtp_params, mtp_params_to_model
 from training.pretrain.checkpoint import RunCheckpoints
 from training.pretrain.config import TrainConfig
 from training.pretrain.data import Rows
 from training.pretrain.loop import METRICS_FILE, check_run_record, pad_rows, truncate_metrics
 from training.pretrain.parallel import data_mesh, replicated, shard_batch
-from training.mtp.step import METRICS, LossConfig, MTPSteps, abstract_mtp_params, init_mtp_params, mtp_params_to_model
 
 EXPORT_DIR = "mtp"
 

@@ -36,7 +36,7 @@ from dspark_jax.models.qwen3 import forward_dense
 from dspark_jax.spec.mtp.model import MTPConfig, MTPDrafter
 from training.pretrain.config import TrainConfig
 from training.pretrain.parallel import replicated
-from training.pretrain.step import DTYPES, tree_norm, loss_targets, make_optimizer, params_to_model
+from training.pretrain.step import DTYPES, loss_targets, make_optimizer, params_to_model, tree_norm
 
 METRICS = ("ce", "kl", "hidden", "acc", "accept_t1")
 
@@ -113,7 +113,7 @@ class MTPSteps:
 
     @staticmethod
     @functools.lru_cache(maxsize=4)
-    def for_run(mcfg: MTPConfig, tcfg: Qwen3Config, tc: TrainConfig, loss: LossConfig, mesh) -> "MTPSteps":
+    def for_run(mcfg: MTPConfig, tcfg: Qwen3Config, tc: TrainConfig, loss: LossConfig, mesh) -> MTPSteps:
         return MTPSteps(mcfg, tcfg, tc, loss, mesh)
 
     def __init__(self, mcfg: MTPConfig, tcfg: Qwen3Config, tc: TrainConfig, loss: LossConfig, mesh):

@@ -93,7 +93,7 @@ class TrainConfig:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "TrainConfig":
+    def from_json(cls, d: dict) -> TrainConfig:
         d = dict(d)
         if isinstance(d.get("mixture"), dict):
             d["mixture"] = tuple(d["mixture"].items())

@@ -109,7 +109,7 @@ class Steps:
 
     @staticmethod
     @functools.lru_cache(maxsize=4)
-    def for_run(cfg: Qwen3Config, tc: TrainConfig, mesh) -> "Steps":
+    def for_run(cfg: Qwen3Config, tc: TrainConfig, mesh) -> Steps:
         return Steps(cfg, tc, mesh)
 
     def __init__(self, cfg: Qwen3Config, tc: TrainConfig, mesh):

@@ -35,9 +35,9 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from dspark_jax.errors import CheckpointError
 from dspark_jax.spec.dspark.config import DSparkConfig
 from dspark_jax.spec.dspark.model import DSparkDrafter
-from dspark_jax.errors import CheckpointError
 
 CONFIG_FILE, WEIGHTS_FILE, TRAINING_FILE = "dspark_config.json", "dspark_drafter.safetensors", "training.json"
 STS_FILE = "sts.json"

@@ -35,7 +35,7 @@ class DSparkConfig(LayerShape):
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
 
     @classmethod
-    def from_target(cls, target: Qwen3Config, **kw) -> "DSparkConfig":
+    def from_target(cls, target: Qwen3Config, **kw) -> DSparkConfig:
         """Copy the target's shape; by default tap layers spread evenly from 1 to L-3 as DFlash does."""
         L = target.num_hidden_layers
         if "target_layer_ids" not in kw:
@@ -51,7 +51,7 @@ class DSparkConfig(LayerShape):
         Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
 
     @classmethod
-    def from_json(cls, path: str | Path) -> "DSparkConfig":
+    def from_json(cls, path: str | Path) -> DSparkConfig:
         d = json.loads(Path(path).read_text())
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - fields

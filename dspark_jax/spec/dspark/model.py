@@ -19,15 +19,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.spec.dspark.config import DSparkConfig
-from dspark_jax.spec.dspark.markov import MarkovHead, _dense
 from dspark_jax.forward_batch import ForwardBatch
 from dspark_jax.kv_cache import KVCache
 from dspark_jax.layers.attention import paged_attention
 from dspark_jax.layers.norm import RMSNorm
-from pallas_kernels.ragged_paged_attention import write_kv_pages
 from dspark_jax.layers.rotary import apply_rope, rope_cos_sin
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
+from dspark_jax.spec.dspark.config import DSparkConfig
+from dspark_jax.spec.dspark.markov import MarkovHead, _dense
+from pallas_kernels.ragged_paged_attention import write_kv_pages
 
 
 class DraftLayer(nnx.Module):

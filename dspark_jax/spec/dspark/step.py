@@ -48,7 +48,7 @@ class SpecInputs(RoundBatch):
     fed_index: jax.Array  # [S] int32 row of the previous round feeding each row; -1: anchor / start
 
     @classmethod
-    def shapes(cls, rows: int, pages: int, slots: int, rounds: int) -> "SpecInputs":
+    def shapes(cls, rows: int, pages: int, slots: int, rounds: int) -> SpecInputs:
         """Abstract inputs of a round executable: S rows, P-page tables, R feed slots."""
         s, i32 = jax.ShapeDtypeStruct, np.int32
         return cls(**RoundBatch.shapes(rows, pages), budget=s((rounds,), i32), fed_anchor=s((slots,), i32),
@@ -70,7 +70,7 @@ class SpecOutputs(NamedTuple):
     next_start: jax.Array  # [R] its position: start + accepted + 1
 
     @classmethod
-    def result_shapes(cls, rounds: int, rows: int, gamma: int) -> "SpecOutputs":
+    def result_shapes(cls, rounds: int, rows: int, gamma: int) -> SpecOutputs:
         """Abstract host-read results of a call of ``rounds`` rounds (the fed fields stay on the
         device: None).  Confidences travel as float32 (exact for bf16)."""
         s, i32, f32, n, S, G = jax.ShapeDtypeStruct, np.int32, np.float32, rounds, rows, gamma

@@ -46,7 +46,7 @@ class MTPConfig(LayerShape):
     attention_bias: bool = False
 
     @classmethod
-    def from_target(cls, target: Qwen3Config) -> "MTPConfig":
+    def from_target(cls, target: Qwen3Config) -> MTPConfig:
         return cls(**{f.name: getattr(target, f.name) for f in dataclasses.fields(cls)})
 
     def layer_config(self) -> Qwen3Config:
@@ -66,7 +66,7 @@ class MTPConfig(LayerShape):
         Path(path).write_text(json.dumps(d, indent=2) + "\n")
 
     @classmethod
-    def from_json(cls, path: str | Path) -> "MTPConfig":
+    def from_json(cls, path: str | Path) -> MTPConfig:
         try:
             d = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:

@@ -42,11 +42,11 @@ from flax import nnx
 
 from dspark_jax.forward_batch import ForwardBatch
 from dspark_jax.kv_cache import KVCache
-from dspark_jax.spec.mtp.draft import draft_chain, draft_keys
 from dspark_jax.sampling import sample
 from dspark_jax.spec.common.acceptance import verify
 from dspark_jax.spec.common.inputs import RoundBatch, round_inputs
 from dspark_jax.spec.common.packing import front_pack, packed_rows, unpack_rows
+from dspark_jax.spec.mtp.draft import draft_chain, draft_keys
 
 _VERIFY_STREAM = 2  # fold_in stream of the acceptance / bonus keys (as the DSpark step's)
 
@@ -69,7 +69,7 @@ class MTPInputs(RoundBatch):
     slot: jax.Array  # [S] int32 the request's row of Pending
 
     @classmethod
-    def shapes(cls, rows: int, pages: int) -> "MTPInputs":
+    def shapes(cls, rows: int, pages: int) -> MTPInputs:
         """Abstract inputs of a round executable: S rows, P-page tables."""
         return cls(**RoundBatch.shapes(rows, pages), slot=jax.ShapeDtypeStruct((rows,), np.int32))
 

@@ -20,9 +20,9 @@ templates in finance, measures and counting.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Iterator
 
 from training.corpus.math_problems import counting, finance, measures  # noqa: F401 (registers templates)
 from training.corpus.math_problems.arithmetic import num

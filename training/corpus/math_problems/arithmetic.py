@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Union
 
-Number = Union[int, Fraction]
+Number = int | Fraction
 
 _OPERATORS = ("+", "-", "*", "/")
 
@@ -56,7 +55,7 @@ class Equation:
         return self.text
 
 
-def calc(*terms: Union[Number, str]) -> Equation:
+def calc(*terms: Number | str) -> Equation:
     """Evaluate `number (op number)*` with usual precedence and render it as text.
 
     Terms alternate numbers and one of + - * /. Multiplication and division bind tighter

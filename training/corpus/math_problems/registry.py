@@ -14,8 +14,8 @@ template choice depends on, so reordering changes the corpus for a given seed.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from fractions import Fraction
-from typing import Callable
 
 Draft = tuple[str, list[str], Fraction]
 TEMPLATES: dict[str, Callable[[random.Random], Draft]] = {}
