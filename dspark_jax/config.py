@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
-from dspark_jax.errors import CheckpointError
+from dspark_jax.errors import CheckpointError, read_json
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 
@@ -95,11 +94,7 @@ class Qwen3Config(LayerShape):
 
     @classmethod
     def from_file(cls, path: str | Path) -> Qwen3Config:
-        try:
-            d = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_hf_dict(d)
+        return cls.from_hf_dict(read_json(path, "config.json"))
 
     def to_hf_dict(self) -> dict[str, Any]:
         return {

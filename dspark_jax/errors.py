@@ -15,3 +15,16 @@ class InvalidRequestError(DsparkError, ValueError):
 
 class KVPoolFullError(DsparkError):
     """The paged KV pool has too few free pages for an allocation; nothing was changed."""
+
+
+def read_json(path, what: str, error: type[DsparkError] = CheckpointError):
+    """The JSON value in the file at `path`; a missing or unparsable file raises `error` naming `what`."""
+    import json
+    from pathlib import Path
+
+    try:
+        return json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{path}: not a valid {what}, not valid JSON ({e})") from None
+    except OSError as e:
+        raise error(f"{path}: unreadable {what} ({e})") from None

@@ -1,10 +1,8 @@
 """Hand parameter states to compiled steps as flat lists of arrays.
 
 Every dispatch of a compiled step flattens its arguments.  An ``nnx.State`` flattens through
-Python callbacks (one per Variable); a list of arrays flattens in C++.  With the embedded default
-pair a speculative round is bound by host work, and on a 2-core CPU passing the target's and the
-drafter's states as leaf lists cut the call that dispatches a round from ~0.73 to ~0.59 ms
-(benchmarks/profile_dispatch.py measures it).  The states never change after start-up, so they
+Python callbacks (one per Variable); a list of arrays flattens in C++, which matters where a
+round is bound by host work (the embedded pair; docs/decisions.md).  The states never change after start-up, so they
 are flattened once; the step rebuilds them from the static tree structure while tracing, which
 costs nothing at run time.
 """

@@ -88,10 +88,7 @@ def plan_expansion(src: Sources, shape: str | ExpandShape | None = "qwen3-8b", *
         path = src.drafter / DSPARK_CONFIG
         if not path.is_file():
             raise CheckpointError(f"{src.drafter}: {DSPARK_CONFIG} is missing (not a DSpark drafter folder)")
-        try:
-            dcfg = DSparkConfig.from_json(path)
-        except (json.JSONDecodeError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{path}: not a valid drafter config ({e})") from None
+        dcfg = DSparkConfig.from_json(path)
     if src.mtp is not None:
         if not (src.mtp / MTP_CONFIG).is_file():
             raise CheckpointError(f"{src.mtp}: {MTP_CONFIG} is missing (not an MTP drafter folder)")

@@ -42,12 +42,12 @@ from training.drafter.step import (
     target_params,
 )
 from training.pretrain.checkpoint import RunCheckpoints, best_dir, save_params
-from training.pretrain.loop import check_run_record, truncate_metrics
+from training.pretrain.loop import check_run_record, finish_run, truncate_metrics
 from training.pretrain.parallel import data_mesh, replicated, shard_batch
 from training.pretrain.step import DTYPES
 from training.tokenizer import MASK
 
-RUN_FILE, METRICS_FILE, BEST_FILE, SUMMARY_FILE = "run.json", "metrics.jsonl", "best.json", "summary.json"
+RUN_FILE, METRICS_FILE, BEST_FILE = "run.json", "metrics.jsonl", "best.json"
 
 
 def resolve_mask_token(target_dir: Path, tc: DrafterTrainConfig) -> int:
@@ -185,14 +185,8 @@ def train_drafter(target_dir: Path | str, data_dir: Path | str, run_dir: Path | 
         if timed_out and step < end:
             stopped_early = True
             break
-    bar.close()
-    ckpts.wait()
-    ckpts.close()
-    summary = {
+    return finish_run(run_dir, bar, ckpts, {
         "steps": step, "planned_steps": tc.steps, "stopped_by_time_limit": stopped_early, "parameters": n_params,
-        "devices": int(mesh.devices.size), "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
         "elapsed_s": elapsed_before + time.perf_counter() - t_run, "epochs": sampler.epochs_done(),
-        "last_train": last_train, "last_eval": last_eval, "best": best, **{k: record[k] for k in record},
-    }
-    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+        "last_train": last_train, "last_eval": last_eval, "best": best, **record,
+    }, mesh)

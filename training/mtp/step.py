@@ -68,6 +68,20 @@ def _smooth_l1(x, y):
     return jnp.mean(jnp.where(d < 1.0, 0.5 * d * d, d - 0.5), axis=-1)
 
 
+def distill_terms(p_logits, q_logits):
+    """Per position: cross-entropy H(p, q), KL(p || q), top-1 agreement and sum(min(p, q)) (the
+    one-token acceptance rate), for target logits p and drafter logits q.  Ids both models mask
+    with -inf (a vocabulary wider than the tokenizer) contribute 0, not 0 * -inf = NaN."""
+    logp, logq = jax.nn.log_softmax(p_logits), jax.nn.log_softmax(q_logits)
+    p = jnp.exp(logp)
+    live = p > 0
+    ce = -jnp.sum(jnp.where(live, p * logq, 0.0), -1)
+    ent = -jnp.sum(jnp.where(live, p * logp, 0.0), -1)
+    acc = (jnp.argmax(p_logits, -1) == jnp.argmax(q_logits, -1)).astype(jnp.float32)
+    t1 = jnp.sum(jnp.minimum(p, jnp.exp(logq)), -1)
+    return ce, ce - ent, acc, t1
+
+
 def batch_sums(params, target_params, batch, mcfg: MTPConfig, tcfg: Qwen3Config, tc: TrainConfig):
     """({metric: weighted sum} for METRICS, sum of weights) over a batch (tokens, positions, segments[, mask])."""
     tokens, positions, segment_ids = batch[:3]
@@ -89,13 +103,8 @@ def batch_sums(params, target_params, batch, mcfg: MTPConfig, tcfg: Qwen3Config,
     def chunk(hd, hl, wc):
         p_logits = jax.lax.stop_gradient(target.logits(hl))
         q_logits = target.logits(hd)
-        logp, logq = jax.nn.log_softmax(p_logits), jax.nn.log_softmax(q_logits)
-        p = jnp.exp(logp)
-        ce = -jnp.sum(p * logq, -1)
-        ent = -jnp.sum(p * logp, -1)
-        acc = (jnp.argmax(p_logits, -1) == jnp.argmax(q_logits, -1)).astype(jnp.float32)
-        t1 = jnp.sum(jnp.minimum(p, jnp.exp(logq)), -1)
-        per = jnp.stack([ce, ce - ent, _smooth_l1(hd, hl), acc, t1])  # [5, B, c]
+        ce, kl, acc, t1 = distill_terms(p_logits, q_logits)
+        per = jnp.stack([ce, kl, _smooth_l1(hd, hl), acc, t1])  # [5, B, c]
         return jnp.sum(per * wc, axis=(1, 2))
 
     def body(total, xs):

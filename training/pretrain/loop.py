@@ -74,6 +74,18 @@ def _prepare_run_dir(run_dir: Path, record: dict, tokenizer_path: Path) -> None:
     shutil.copyfile(tokenizer_path, run_dir / TOKENIZER_FILE)
 
 
+def finish_run(run_dir: Path, bar, ckpts, summary: dict, mesh) -> dict:
+    """Close the progress bar and the checkpoint manager (waiting for its writes), then write
+    summary.json with the run's device facts added."""
+    bar.close()
+    ckpts.wait()
+    ckpts.close()
+    summary = {**summary, "devices": int(mesh.devices.size), "device_kind": jax.devices()[0].device_kind,
+               "jax": jax.__version__}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
 def truncate_metrics(path: Path, step: int) -> None:
     """Drop records an interrupted run logged after the checkpoint we resume from."""
     if path.exists():
@@ -213,18 +225,12 @@ def train(corpus_dir: Path | str, tokenizer_path: Path | str, run_dir: Path | st
         if timed_out and step < end:
             stopped_early = True
             break
-    bar.close()
-    ckpts.wait()
-    ckpts.close()
-    summary = {
+    return finish_run(run_dir, bar, ckpts, {
         "steps": step, "planned_steps": tc.steps, "stopped_by_time_limit": stopped_early,
-        "tokens": step * tokens_per_step, "parameters": n_params, "devices": int(mesh.devices.size),
-        "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
+        "tokens": step * tokens_per_step, "parameters": n_params,
         "elapsed_s": elapsed_before + time.perf_counter() - t_run, "data_prep_s": data_s,
         "last_train": last_train, "last_eval": last_eval, "best": best,
         "train_tokens_per_epoch": {w: s.epoch_tokens for w, s in streams.items()},
         "epochs": {w: sampler.rows[w] * tc.seq_len / s.epoch_tokens for w, s in streams.items()},
         "model_config": cfg.to_hf_dict(), "train_config": tc.to_json(),
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+    }, mesh)

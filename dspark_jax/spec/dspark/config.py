@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from dspark_jax.config import LayerShape, Qwen3Config
+from dspark_jax.errors import CheckpointError, read_json
 
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
 
@@ -52,9 +53,12 @@ class DSparkConfig(LayerShape):
 
     @classmethod
     def from_json(cls, path: str | Path) -> DSparkConfig:
-        d = json.loads(Path(path).read_text())
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - fields
-        if unknown:
-            raise ValueError(f"{path}: unknown drafter config keys {sorted(unknown)}")
-        return cls(**d)
+        """The config at `path`; a missing, unreadable or foreign file is a CheckpointError."""
+        d = read_json(path, "drafter config")
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)} if isinstance(d, dict) else None
+        if unknown is None or unknown:
+            raise CheckpointError(f"{path}: not a valid drafter config (unknown keys {sorted(unknown or [])})")
+        try:
+            return cls(**d)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{path}: not a valid drafter config ({e})") from None

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark_jax.errors import DsparkError
+from dspark_jax.errors import DsparkError, read_json
 
 TABLE_KEYS = ("bias_seconds", "bs_probes", "alpha_seconds", "m_probes", "theta_seconds")
 DECODE_KEYS = ("decode_bs_probes", "decode_seconds")
@@ -193,10 +193,7 @@ class AdditiveCostTable:
 
     @classmethod
     def load(cls, path: str | Path) -> AdditiveCostTable:
-        try:
-            data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as e:
-            raise CostTableError(f"{path} is not valid JSON: {e}") from None
+        data = read_json(path, "cost table", CostTableError)
         try:
             return cls.from_dict(data)
         except CostTableError as e:

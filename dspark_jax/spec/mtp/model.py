@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.config import LayerShape, Qwen3Config
-from dspark_jax.errors import CheckpointError
+from dspark_jax.errors import CheckpointError, read_json
 from dspark_jax.kv_cache import KVCache, allocate_kv_cache
 from dspark_jax.layers.norm import RMSNorm
 from dspark_jax.layers.rotary import rope_cos_sin
@@ -67,10 +67,7 @@ class MTPConfig(LayerShape):
 
     @classmethod
     def from_json(cls, path: str | Path) -> MTPConfig:
-        try:
-            d = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path}: unreadable drafter config ({e})") from None
+        d = read_json(path, "drafter config")
         if d.pop("model_type", None) != MODEL_TYPE:
             raise CheckpointError(f"{path}: not an MTP drafter config (model_type must be {MODEL_TYPE!r})")
         fields = {f.name for f in dataclasses.fields(cls)}
