@@ -544,6 +544,44 @@ def test_launch_cli_and_graceful_sigterm(model_dir, tmp_path):
         log.close()
 
 
+def test_startup_progress_and_quiet_backends(monkeypatch):
+    """compile_engines reports (0, total, None), then each executable; launch summarizes the work and
+    drops JAX's notes about platforms nobody asked for, keeping everything else."""
+    import logging
+    import os
+
+    from dspark_jax.engine.engine import compile_engines
+    from serving import launch
+
+    labels = [f"plain decode tokens={t}" for t in (1, 2, 4)] + ["plain prefill tokens=16"]
+
+    class Engine:
+        class worker:
+            executables = staticmethod(lambda: [(lb, lambda: None) for lb in labels])
+
+        class runner:
+            take_compile_spans = staticmethod(list)
+
+    calls = []
+    compile_engines([Engine], lambda *a: calls.append(a))
+    assert calls[0] == (0, 4, None) and [c[:2] for c in calls[1:]] == [(i, 4) for i in (1, 2, 3, 4)]
+    assert sorted(c[2] for c in calls[1:]) == sorted(labels)
+    assert launch.CompileProgress(Engine, bar=False).what == "3 plain decode, 1 plain prefill"
+
+    record = lambda msg: logging.LogRecord("jax._src.xla_bridge", logging.INFO, "", 0, msg, None, None)
+    tpu = record("Unable to initialize backend 'tpu': INTERNAL: Failed to open libtpu.so")
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    assert not launch._requested_backend_or_other(tpu)
+    assert launch._requested_backend_or_other(record("An NVIDIA GPU may be present on this machine"))
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu,cpu")  # asked for, so its failure is news
+    assert launch._requested_backend_or_other(tpu)
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "0")
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL")
+    launch.quiet_backend_noise()
+    assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "2"  # XLA errors still print
+    logging.getLogger("jax._src.xla_bridge").removeFilter(launch._requested_backend_or_other)
+
+
 # -- speculative (DSpark) server -------------------------------------------------------------------
 
 def test_speculative_server_reports_spec_stats(tmp_path_factory):
