@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
+import jax
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -123,6 +124,8 @@ def create_app(engine, cfg: ServerConfig | None = None, *,
             "max_running_requests": ec.max_running_requests, "max_model_len": state.max_model_len,
             "page_size": engine.pool.page_size, "num_pages": engine.pool.num_pages,
             "max_prefill_tokens": ec.max_prefill_tokens, "compile_seconds": getattr(engine, "compile_seconds", None),
+            "vocab_size": engine.config.vocab_size, "max_body_bytes": cfg.max_body_bytes,
+            "max_choices": cfg.max_choices, "device": _device(), "jax_version": jax.__version__,
             "draining": state.draining, "uptime_s": time.time() - state.started, "pid": os.getpid(),
             "memory_usage": {"token_capacity": snap["token_capacity"], "kv_used_pages": snap["kv_used_pages"],
                              "kv_free_pages": snap["kv_free_pages"], "kv_total_pages": snap["kv_total_pages"]},
@@ -131,3 +134,12 @@ def create_app(engine, cfg: ServerConfig | None = None, *,
         }
 
     return app
+
+
+def _device() -> str:
+    d = jax.devices()[0]
+    kind = getattr(d, "device_kind", d.platform)
+    if d.platform != "cpu":
+        return f"{kind} x{jax.device_count()}"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"CPU, {cores} cores"

@@ -640,6 +640,24 @@ def test_load_generator_smoke(server, tmp_path, capsys):
         check_loopback("http://example.com:30000")
 
 
+def test_soak_smoke_against_the_embedded_model(tmp_path):
+    """benchmarks/soak.py for a few seconds: the embedded pair in its own server process (compiled
+    lazily, small shapes), a handful of clients of every kind, bad requests and disconnects among
+    them; no failure, and the server idle (no requests, pages or slots held) and cleanly stopped."""
+    from benchmarks.soak import main
+
+    rc = main(["--streams", "4", "--duration-s", "8", "--grace-s", "40", "--idle-timeout-s", "30", "--max-tokens", "12",
+               "--bad-rate", "0.3", "--disconnect-rate", "0.2", "--no-progress", "--out", str(tmp_path), "--name", "ci",
+               "--server-args", "--no-precompile --max-running-requests 4 --max-model-len 512 --max-prefill-tokens 64 "
+               "--sps-table-path none"])
+    rep = json.loads((tmp_path / "ci.json").read_text())
+    assert rep["failures"] == 0, rep["failure_samples"]
+    assert rep["idle_at_end"]["idle"] and rep["idle_at_end"]["free_slots"] == 4, rep["idle_at_end"]
+    assert rc == 0 and rep["requests_ok"] >= 1 and rep["server_exit_code"] == 0
+    assert rep["server"]["speculative_algorithm"] == "DSPARK" and rep["rss_mib"]["max"] > 0
+    assert (tmp_path / "ci.md").read_text().startswith("# Soak") and (tmp_path / "ci.png").stat().st_size > 0
+
+
 def test_speculative_server_concurrent_streams_and_disconnect(tmp_path_factory):
     """The default serving path is speculative: 64 concurrent greedy streams through an overlapped
     compact-mode DSpark engine each equal plain greedy decoding of that prompt alone, and a client
