@@ -509,11 +509,13 @@ async def soak(args) -> dict:
         except subprocess.TimeoutExpired:
             proc.kill()
             exit_code = proc.wait()
-    return report(args, info, final_info, outcomes, series, idle, wall, boot_s, health, exit_code, crashed,
-                  len(pending), log_path if proc else None)
+    rep = report(args, info, final_info, outcomes, series, idle, wall, boot_s, health, exit_code, crashed, len(pending))
+    if proc is not None and (rep["failures"] or exit_code):
+        print(f"the server's log: {log_path}", flush=True)
+    return rep
 
 
-def report(args, info, final_info, outcomes, series, idle, wall, boot_s, health, exit_code, crashed, cut, log_path):
+def report(args, info, final_info, outcomes, series, idle, wall, boot_s, health, exit_code, crashed, cut):
     ok = [o for o in outcomes if o.ok]
     fails = [o for o in outcomes if not o.ok]
     by = lambda key: {k: sum(1 for o in outcomes if str(key(o)) == k) for k in sorted({str(key(o)) for o in outcomes})}
@@ -564,7 +566,6 @@ def report(args, info, final_info, outcomes, series, idle, wall, boot_s, health,
         "idle_at_end": idle,
         "health_at_end": health,
         "server_exit_code": exit_code,
-        "server_log": str(log_path) if log_path else None,
         "failure_samples": failures,
         "series": series,
     }
