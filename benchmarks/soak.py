@@ -372,22 +372,35 @@ async def wait_healthy(client, base: str, proc, timeout: float, log_path: Path |
         await asyncio.sleep(0.5)
 
 
-def rss_bytes(pid: int) -> int | None:
-    try:
-        import psutil
+class ProcessProbe:
+    """The server process's RSS (psutil, else /proc) and CPU share since the last call (psutil
+    only); the host's 1-minute load average says whether others shared the cores."""
 
-        return psutil.Process(pid).memory_info().rss
-    except ImportError:
-        pass
-    except Exception:  # noqa: BLE001 - the process is gone
-        return None
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    def __init__(self, pid: int | None):
+        self.pid, self.proc = pid, None
+        try:
+            import psutil
+
+            self.proc = psutil.Process(pid) if pid else None
+            if self.proc is not None:
+                self.proc.cpu_percent()  # starts the interval
+        except Exception:  # noqa: BLE001 - no psutil, or no such process: /proc below
+            self.proc = None
+
+    def sample(self) -> dict:
+        row = {"rss_mib": None, "server_cpu_pct": None,
+               "load1": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None}
+        try:
+            if self.proc is not None:
+                row["rss_mib"] = round(self.proc.memory_info().rss / 2**20, 1)
+                row["server_cpu_pct"] = round(self.proc.cpu_percent(), 1)
+            elif self.pid:
+                for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        row["rss_mib"] = round(int(line.split()[1]) / 1024, 1)
+        except Exception:  # noqa: BLE001 - the process is gone: a gap in the series
+            pass
+        return row
 
 
 _METRIC = re.compile(r"^(dspark:[a-z_]+)(?:\{[^}]*\})? ([0-9.e+-]+)$", re.M)
@@ -450,19 +463,19 @@ async def soak(args) -> dict:
             while time.perf_counter() < deadline:
                 outcomes.append(await send(client, base, traffic.next()))
 
+        probe = ProcessProbe(pid)
+
         async def sampler(bar):
             prev = None
             while True:
                 t = time.perf_counter() - t_start
-                row = {"t_s": round(t, 2), "rss_mib": None}
+                row = {"t_s": round(t, 2), **probe.sample()}
                 try:
                     m = await server_metrics(client, base)
                     row.update(running=m.get("dspark:num_running_reqs"), queued=m.get("dspark:num_queue_reqs"),
                                kv_used_pages=m.get("dspark:kv_used_pages"), gen_tokens=m.get("dspark:generation_tokens_total"))
                 except Exception as e:  # noqa: BLE001 - a gap in the series, not a failure
                     row["error"] = repr(e)[:100]
-                r = rss_bytes(pid) if pid else None
-                row["rss_mib"] = round(r / 2**20, 1) if r else None
                 if prev is not None and row.get("gen_tokens") is not None and prev.get("gen_tokens") is not None:
                     row["gen_tok_s"] = round((row["gen_tokens"] - prev["gen_tokens"]) / max(1e-9, row["t_s"] - prev["t_s"]), 1)
                 series.append(row)
@@ -563,12 +576,18 @@ def report(args, info, final_info, outcomes, series, idle, wall, boot_s, health,
         "rss_mib": {"start": rss[0] if rss else None, "end": rss[-1] if rss else None, "max": max(rss) if rss else None,
                     "first_third_mean": round(sum(rss[:third]) / third, 1) if rss else None,
                     "last_third_mean": round(sum(rss[-third:]) / third, 1) if rss else None},
+        "host_load1": summary([r["load1"] for r in series if r.get("load1") is not None]),
+        "server_cpu_pct": summary([r["server_cpu_pct"] for r in series if r.get("server_cpu_pct") is not None]),
         "idle_at_end": idle,
         "health_at_end": health,
         "server_exit_code": exit_code,
         "failure_samples": failures,
         "series": series,
     }
+
+
+def summary(xs: list) -> dict:
+    return {"mean": round(sum(xs) / len(xs), 2), "max": max(xs)} if xs else {"mean": None, "max": None}
 
 
 def git_commit() -> str:
@@ -597,6 +616,8 @@ def markdown(rep: dict) -> str:
         ("request latency p50 / p90 / p99", f"{fmt(rep['e2e_ms'])} ms"),
         ("server RSS", "start {start} MiB, end {end} MiB, max {max} MiB; first third mean {first_third_mean}, "
                        "last third mean {last_third_mean}".format(**rep["rss_mib"])),
+        ("host sharing", f"1-min load average mean {rep['host_load1']['mean']}, max {rep['host_load1']['max']} "
+                         f"(cores: {rep['device']}); server process CPU mean {rep['server_cpu_pct']['mean']}%"),
         ("idle at the end", f"{'yes' if idle['idle'] else '**no**'} (running {idle.get('num_running_reqs')}, queued "
                             f"{idle.get('num_queue_reqs')}, KV pages used {idle.get('kv_used_pages')}, free slots "
                             f"{idle.get('free_slots')}/{idle.get('total_slots')}; after {idle.get('seconds_to_idle')} s)"),
@@ -618,26 +639,26 @@ def plot(rep: dict, path: Path) -> bool:
     except ImportError:
         return False
     ser = rep["series"]
-    fig, (a, b) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    fig, (a, b, h) = plt.subplots(3, 1, figsize=(9, 8), sharex=True, height_ratios=(2, 2, 1.3))
     pts = [(r["t_s"], r["rss_mib"]) for r in ser if r.get("rss_mib")]
     if pts:
         a.plot(*zip(*pts), color="tab:blue")
     a.set_ylabel("server RSS (MiB)")
     a.set_title(f"soak: {rep['config']['streams']} clients, {rep['device']}, {rep['failures']} failures")
-    a.grid(alpha=0.3)
     pts = [(r["t_s"], r["gen_tok_s"]) for r in ser if r.get("gen_tok_s") is not None]
     if pts:
         b.plot(*zip(*pts), color="tab:green", label="generated tok/s")
-    run = [(r["t_s"], r["running"]) for r in ser if r.get("running") is not None]
-    if run:
-        b2 = b.twinx()
-        b2.plot(*zip(*run), color="tab:gray", alpha=0.5, label="running requests")
-        b2.set_ylabel("running requests")
-    for ax in (a, b):
-        ax.axvline(rep["config"]["duration_s"], color="tab:red", lw=0.8, ls="--")  # no new requests after
     b.set_ylabel("server tok/s")
-    b.set_xlabel("seconds (dashed: end of the load window)")
-    b.grid(alpha=0.3)
+    for key, color, label in (("running", "tab:gray", "running requests"), ("load1", "tab:orange", "host load (1 min)"),
+                              ("server_cpu_pct", "tab:purple", "server CPU / 100%")):
+        pts = [(r["t_s"], r[key] / (100 if key == "server_cpu_pct" else 1)) for r in ser if r.get(key) is not None]
+        if pts:
+            h.plot(*zip(*pts), color=color, label=label)
+    h.legend(loc="upper left", fontsize=8, ncol=3)
+    h.set_xlabel("seconds (dashed: end of the load window)")
+    for ax in (a, b, h):
+        ax.axvline(rep["config"]["duration_s"], color="tab:red", lw=0.8, ls="--")  # no new requests after
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
