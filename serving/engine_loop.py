@@ -2,8 +2,9 @@
 
 The HTTP event loop talks to it only through a thread-safe command queue (submit, abort,
 abort-all, stop).  Requests arrive validated and tokenized: the engine thread never tokenizes.
-Each submitted request gets a `RequestStream`: an asyncio queue on the HTTP loop that the engine
-thread feeds with `loop.call_soon_threadsafe`.  Events, in order:
+Each submitted request gets a `RequestStream`, whose events the engine thread puts on an asyncio
+queue on the HTTP loop with `loop.call_soon_threadsafe` (the choices of one HTTP request share a
+queue).  Events of one request, in order:
 
     ("accepted", {"prompt_tokens": n})   the engine queued the request
     ("delta", new_ids, text_so_far)      tokens committed by one engine step
@@ -57,25 +58,23 @@ def describe(e: BaseException) -> str:
 
 
 class RequestStream:
-    """The HTTP side of one request: events pushed by the engine thread."""
+    """The HTTP side of one engine request.  The engine thread pushes ``(stream, event)`` pairs
+    onto `queue`, an asyncio queue on the HTTP loop; the engine requests behind one HTTP request
+    (its choices) share one queue, and `index` tells them apart."""
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue | None = None,
+                 index: int = 0):
         self.id = request_id
+        self.index = index
         self._loop = loop
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self.finished = False
+        self.queue: asyncio.Queue = queue if queue is not None else asyncio.Queue()
+        self.finished = False  # set by the reader once it has taken the final event
 
     def push(self, event: tuple) -> None:  # engine thread
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+            self._loop.call_soon_threadsafe(self.queue.put_nowait, (self, event))
         except RuntimeError:  # the HTTP loop is closed (shutdown): nobody listens any more
             pass
-
-    async def get(self) -> tuple:
-        ev = await self._queue.get()
-        if ev[0] in ("done", "error"):
-            self.finished = True
-        return ev
 
 
 class EngineLoop:
@@ -111,8 +110,8 @@ class EngineLoop:
         return self._thread
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop,
-               prefix: str = "req") -> RequestStream:
-        stream = RequestStream(f"{prefix}-{uuid.uuid4().hex[:24]}", loop)
+               prefix: str = "req", queue: asyncio.Queue | None = None, index: int = 0) -> RequestStream:
+        stream = RequestStream(f"{prefix}-{uuid.uuid4().hex[:24]}", loop, queue, index)
         with self._lock:
             if not self._closed:
                 self._commands.put(("add", stream, prompt_ids, params))
@@ -326,6 +325,9 @@ class EngineLoop:
             "last_gen_throughput": tput,
             "total_steps": self.total_steps,
             "active_streams": len(self._streams),
+            # a leak check: every slot is free again once nothing runs
+            "free_slots": len(getattr(e.scheduler, "_free_slots", ())),
+            "total_slots": e.scheduler.num_slots,
         }
         self.snapshot = snap  # one atomic rebinding: readers see a whole dict
         if self.metrics:

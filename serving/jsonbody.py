@@ -18,7 +18,7 @@ import re
 import numpy as np
 from starlette.requests import ClientDisconnect, Request
 
-from serving.protocol import ApiError
+from serving.errors import ApiError
 
 MAX_DEPTH = 64
 MAX_INT_DIGITS = 40

@@ -9,6 +9,11 @@ embedded DSpark drafter.
     python -m serving.launch --model-path ./qwen3 --draft-model-path ./mtp \\
         --speculative-algorithm MTP --mtp-steps 3          # the EAGLE 3-1-4 baseline arm
 
+Start-up compiles every executable the engine runs (unless --no-precompile): a log line per
+executable (done of total, elapsed, time left), and on a terminal a progress bar as well.  XLA's
+C++ INFO/WARNING lines (TF_CPP_MIN_LOG_LEVEL=2 unless set) and JAX's "Unable to initialize
+backend" lines for platforms nobody asked for are left out; errors are not.
+
 SIGTERM / Ctrl-C: stop accepting connections, let in-flight requests run for up to
 --shutdown-timeout seconds, then end the rest with finish_reason "abort".  If the engine itself
 fails, every request in flight gets a 500 naming the cause and the process exits with status 1,
@@ -18,7 +23,12 @@ so a supervisor restarts it.
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import dataclasses
 import logging
+import os
+import re
 import signal
 import sys
 import time
@@ -37,6 +47,72 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+_BACKEND_LINE = re.compile(r"Unable to initialize backend '([^']+)'")
+
+
+def _requested_backend_or_other(record: logging.LogRecord) -> bool:
+    """Drop JAX's note that a platform nobody asked for (tpu, cuda on a CPU host) is absent."""
+    m = _BACKEND_LINE.match(record.getMessage())
+    asked = {p.strip().lower() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()}
+    return m is None or m.group(1).lower() in asked
+
+
+def quiet_backend_noise() -> None:
+    """Call before jax is imported: XLA's C++ INFO and WARNING lines off unless the caller set
+    TF_CPP_MIN_LOG_LEVEL (errors still print), and JAX's absent-backend lines filtered out."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    logging.getLogger("jax._src.xla_bridge").addFilter(_requested_backend_or_other)
+
+
+class CompileProgress:
+    """compile_engines' progress(done, total, label): announces the work, then a tqdm bar (elapsed,
+    time left, the last executable done) when stderr is a terminal; the engine logs a line per
+    executable either way."""
+
+    def __init__(self, engine, bar: bool):
+        kinds = collections.Counter(" ".join(w for w in label.split() if "=" not in w)
+                                    for label, _ in engine.worker.executables())
+        self.what = ", ".join(f"{n} {k}" for k, n in kinds.items())
+        self.use_bar = bar
+        self.bar = None
+
+    def __call__(self, done: int, total: int, label: str | None) -> None:
+        if done == 0:
+            log.info("compiling %d executables (%s) on %d threads; cached ones load fast", total, self.what,
+                     max(1, min(total, os.cpu_count() or 1)))
+            if self.use_bar and total:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, desc="compiling", unit="exe", file=sys.stderr, dynamic_ncols=True)
+            return
+        if self.bar is not None:
+            self.bar.set_postfix_str(label, refresh=False)
+            self.bar.update(1)
+            if done == total:
+                self.bar.close()
+
+
+def build_engine(args: ServerArgs):
+    """The engine of resolved args, its executables compiled with progress shown, and (DSpark
+    compact) its cost table derived or read from the cache."""
+    if not args.precompile:
+        return args.build_engine()
+    from dspark_jax.engine.engine import compile_engines
+
+    engine = dataclasses.replace(args, precompile=False).build_engine()  # compiled here instead
+    bar = sys.stderr.isatty() and log.isEnabledFor(logging.INFO)
+    progress = CompileProgress(engine, bar)
+    redirect = contextlib.nullcontext()
+    if bar:
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        redirect = logging_redirect_tqdm()  # log lines above the bar, not through it
+    with redirect:
+        engine.compile_seconds = compile_engines([engine], progress)
+    engine.worker.calibrate()  # a compact DSpark engine: its cost table, profiled once per device, then cached
+    return engine
+
+
 def make_server(app, *, host: str, port: int, log_level: str = "info", shutdown_timeout: float = 30.0):
     """A uvicorn Server whose SIGTERM/SIGINT first puts the app into draining mode."""
     import uvicorn
@@ -52,20 +128,21 @@ def make_server(app, *, host: str, port: int, log_level: str = "info", shutdown_
 
 
 def main(argv=None) -> int:
+    quiet_backend_noise()
     ap = build_parser()
     try:
         args = ServerArgs.from_namespace(ap.parse_args(argv)).resolve()
     except ValueError as e:
         ap.error(str(e))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from serving.app import ServerConfig, create_app
-
     t0 = time.perf_counter()
     import jax
 
+    from serving.app import ServerConfig, create_app
+
     log.info("loading %s (%s) on %s", args.model_path, args.speculative_algorithm, jax.devices()[0])
     try:
-        engine = args.build_engine()
+        engine = build_engine(args)
     except (ValueError, OSError, DsparkError) as e:
         ap.error(str(e))
     log.info("engine ready in %.1f s (compile %.1f s)", time.perf_counter() - t0, engine.compile_seconds)

@@ -187,6 +187,138 @@ def test_stop_strings(server, client):
         assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+# -- n, best_of, echo, batched prompts -------------------------------------------------------------
+
+SAMPLED = {"temperature": 1.0, "top_p": 0.95}
+
+
+def _stream_texts(chunks, field="text") -> tuple[dict, dict]:
+    """OpenAI stream chunks -> ({index: text}, {index: finish_reason})."""
+    texts, finish = {}, {}
+    for c in chunks:
+        for ch in c.choices:
+            piece = ch.text if field == "text" else (ch.delta.content or "")
+            texts[ch.index] = texts.get(ch.index, "") + piece
+            finish[ch.index] = ch.finish_reason or finish.get(ch.index)
+    return texts, finish
+
+
+def test_n_with_a_seed_equals_single_requests_with_seeds_seed_and_up(server, client):
+    prompt, seed, n = "def sample(x):", 11, 3
+    kw = dict(model="tiny", max_tokens=8, **SAMPLED, extra_body=NOEOS)
+    singles = [client.completions.create(prompt=prompt, seed=seed + j, **kw).choices[0].text for j in range(n)]
+    assert len(set(singles)) > 1, singles  # different seeds sample differently
+    r = client.completions.create(prompt=prompt, n=n, seed=seed, user="tester-1", **kw)
+    assert [c.index for c in r.choices] == list(range(n)) and [c.text for c in r.choices] == singles
+    n_prompt = len(server.tokenizer.encode(prompt))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_prompt, n * 8)  # the prompt counted once
+    assert [c.text for c in client.completions.create(prompt=prompt, n=n, best_of=n, seed=seed, **kw).choices] == singles
+    with pytest.raises(openai.BadRequestError, match="log probabilities"):
+        client.completions.create(prompt=prompt, n=2, best_of=3, **kw)
+    # streaming: the choices' chunks interleave, each names its index; usage covers them all
+    chunks = list(client.completions.create(prompt=prompt, n=n, seed=seed, stream=True,
+                                            stream_options={"include_usage": True}, **kw))
+    texts, finish = _stream_texts(chunks)
+    assert [texts[j] for j in range(n)] == singles and set(finish.values()) == {"length"}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n * 8
+    # chat
+    msgs = [{"role": "user", "content": "write a loop"}]
+    ckw = dict(model="tiny", messages=msgs, max_tokens=6, **SAMPLED, extra_body=NOEOS)
+    chat_singles = [client.chat.completions.create(seed=seed + j, **ckw).choices[0].message.content for j in range(2)]
+    rc = client.chat.completions.create(n=2, seed=seed, user="tester-2", **ckw)
+    assert [c.message.content for c in rc.choices] == chat_singles and [c.index for c in rc.choices] == [0, 1]
+    chunks = list(client.chat.completions.create(n=2, seed=seed, stream=True, **ckw))
+    assert sorted(c.choices[0].index for c in chunks if c.choices[0].delta.role == "assistant") == [0, 1]
+    texts, _ = _stream_texts(chunks, field="delta")
+    assert [texts[0], texts[1]] == chat_singles
+    # /generate: n > 1 answers a list
+    sp = {"max_new_tokens": 8, **SAMPLED, **NOEOS}
+    gen = lambda body: httpx.post(server.base + "/generate", json=body, timeout=60, trust_env=False).json()
+    g_singles = [gen({"text": prompt, "sampling_params": {**sp, "seed": seed + j}})["text"] for j in range(n)]
+    assert g_singles == singles
+    g = gen({"text": prompt, "sampling_params": {**sp, "seed": seed, "n": n}})
+    assert [x["text"] for x in g] == singles and len({x["meta_info"]["id"] for x in g}) == n
+    _wait_idle(server)
+
+
+def test_batched_prompts_and_echo(server, client):
+    prompts = ["import os", "class A(B):", "x = [1, 2"]
+    ids = [server.tokenizer.encode(p) for p in prompts]
+    kw = dict(model="tiny", max_tokens=6, **GREEDY, extra_body=NOEOS)
+    singles = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+    for batch in (prompts, ids):  # strings, or lists of token ids
+        r = client.completions.create(prompt=batch, n=2, user="u", **kw)
+        assert [c.index for c in r.choices] == list(range(6))  # prompt-major
+        assert [c.text for c in r.choices] == [t for t in singles for _ in range(2)]
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (sum(map(len, ids)), 6 * 6)
+    # seeded sampling: every prompt of a batch uses seed, seed + 1, ... like single requests
+    skw = dict(model="tiny", max_tokens=6, seed=3, **SAMPLED, extra_body=NOEOS)
+    want = [client.completions.create(prompt=p, **{**skw, "seed": 3 + j}).choices[0].text for p in prompts[:2]
+            for j in range(2)]
+    assert [c.text for c in client.completions.create(prompt=prompts[:2], n=2, **skw).choices] == want
+    # echo: the prompt text first (token-id prompts are decoded), in the body and as each stream's first chunk
+    r = client.completions.create(prompt=prompts, echo=True, **kw)
+    assert [c.text for c in r.choices] == [p + t for p, t in zip(prompts, singles)]
+    r = client.completions.create(prompt=ids[1], echo=True, **kw)
+    assert r.choices[0].text == server.tokenizer.decode(ids[1]) + singles[1]
+    chunks = list(client.completions.create(prompt=prompts, echo=True, stream=True, **kw))
+    assert [c.choices[0].text for c in chunks[:3]] == prompts and [c.choices[0].index for c in chunks[:3]] == [0, 1, 2]
+    texts, finish = _stream_texts(chunks)
+    assert [texts[i] for i in range(3)] == [p + t for p, t in zip(prompts, singles)] and set(finish.values()) == {"length"}
+    # /generate batches: a list in, a list out; stream chunks name their index
+    sp = {"max_new_tokens": 6, **GREEDY, **NOEOS}
+    g = httpx.post(server.base + "/generate", json={"text": prompts, "sampling_params": sp}, timeout=60,
+                   trust_env=False).json()
+    assert [x["text"] for x in g] == singles and [x["meta_info"]["prompt_tokens"] for x in g] == list(map(len, ids))
+    with httpx.stream("POST", server.base + "/generate", json={"input_ids": ids, "stream": True,
+                      "sampling_params": {**sp, "n": 2}}, timeout=60, trust_env=False) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    last = {e["index"]: e for e in events}
+    assert sorted(last) == list(range(6)) and [last[i]["text"] for i in range(6)] == [t for t in singles for _ in range(2)]
+    assert all(last[i]["meta_info"]["finish_reason"] == {"type": "length"} for i in range(6))
+    _wait_idle(server)
+
+
+def test_a_client_leaving_a_stream_of_several_choices_aborts_them_all(server, monkeypatch):
+    _wait_idle(server)
+    key = ("dspark:requests_total", (("finish_reason", "abort"),))
+    aborted0 = _metrics(server).get(key, 0)
+    body = {"prompt": ["while True:", "for x in y:"], "n": 2, "max_tokens": 2000, **GREEDY, **NOEOS, "stream": True}
+    with httpx.Client(trust_env=False, timeout=30) as c:
+        with c.stream("POST", server.base + "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            got, lines = 0, resp.iter_lines()
+            for line in lines:
+                got += line.startswith("data: {")
+                if got >= 6:
+                    break
+            assert _get(server, "/server_info").json()["internal_states"][0]["num_running_reqs"] == 4
+    _wait_idle(server)
+    assert _metrics(server)[key] - aborted0 == 4
+    # one prompt of a batch over the context: a 400 naming it, before anything is queued
+    r = httpx.post(server.base + "/v1/completions", json={"prompt": ["a", "hi " * 3000], "max_tokens": 4},
+                   timeout=30, trust_env=False)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("'prompt[1]': "), r.text
+    # the engine refusing one choice refuses the request, and the choices it had taken are aborted
+    from dspark_jax.errors import InvalidRequestError
+
+    engine, refused = server.state.engine, server.tokenizer.encode("refuse me")
+    real_add = engine.add_request
+
+    def add_request(prompt, params, request_id=None):
+        if list(prompt) == refused:
+            raise InvalidRequestError("injected refusal")
+        return real_add(prompt, params, request_id=request_id)
+
+    monkeypatch.setattr(engine, "add_request", add_request)
+    r = httpx.post(server.base + "/v1/completions", json={**body, "prompt": ["while True:", "refuse me"],
+                                                          "stream": True}, timeout=30, trust_env=False)
+    assert r.status_code == 400 and "injected refusal" in r.json()["error"]["message"], r.text
+    info = _wait_idle(server)
+    assert _metrics(server)[key] - aborted0 == 6  # the two choices of the first prompt
+    assert info["internal_states"][0]["free_slots"] == info["internal_states"][0]["total_slots"] == MAX_RUNNING
+
+
 # -- concurrency -----------------------------------------------------------------------------------
 
 N_CONCURRENT = 64
@@ -270,13 +402,15 @@ BAD = [
     ("/v1/completions", {}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 129}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"prompt": "hi " * 3000}, 400, "prompt"),  # longer than the context
     ("/v1/completions", {"prompt": [1, 2, 10**7]}, 400, None),  # token id outside the vocabulary
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", ""]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "hi " * 3000]}, 400, "prompt"),  # one prompt of a batch too long
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages"),
@@ -336,7 +470,7 @@ def test_metrics_parse_and_move(server, client):
 # -- units -----------------------------------------------------------------------------------------
 
 def test_text_deltas_hold_back_stop_prefixes():
-    from serving.app import TextDeltas
+    from serving.responses import TextDeltas
 
     d = TextDeltas(["END"])
     assert d.update("abc") == "abc"
@@ -410,6 +544,44 @@ def test_launch_cli_and_graceful_sigterm(model_dir, tmp_path):
         log.close()
 
 
+def test_startup_progress_and_quiet_backends(monkeypatch):
+    """compile_engines reports (0, total, None), then each executable; launch summarizes the work and
+    drops JAX's notes about platforms nobody asked for, keeping everything else."""
+    import logging
+    import os
+
+    from dspark_jax.engine.engine import compile_engines
+    from serving import launch
+
+    labels = [f"plain decode tokens={t}" for t in (1, 2, 4)] + ["plain prefill tokens=16"]
+
+    class Engine:
+        class worker:
+            executables = staticmethod(lambda: [(lb, lambda: None) for lb in labels])
+
+        class runner:
+            take_compile_spans = staticmethod(list)
+
+    calls = []
+    compile_engines([Engine], lambda *a: calls.append(a))
+    assert calls[0] == (0, 4, None) and [c[:2] for c in calls[1:]] == [(i, 4) for i in (1, 2, 3, 4)]
+    assert sorted(c[2] for c in calls[1:]) == sorted(labels)
+    assert launch.CompileProgress(Engine, bar=False).what == "3 plain decode, 1 plain prefill"
+
+    record = lambda msg: logging.LogRecord("jax._src.xla_bridge", logging.INFO, "", 0, msg, None, None)
+    tpu = record("Unable to initialize backend 'tpu': INTERNAL: Failed to open libtpu.so")
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    assert not launch._requested_backend_or_other(tpu)
+    assert launch._requested_backend_or_other(record("An NVIDIA GPU may be present on this machine"))
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu,cpu")  # asked for, so its failure is news
+    assert launch._requested_backend_or_other(tpu)
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "0")
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL")
+    launch.quiet_backend_noise()
+    assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "2"  # XLA errors still print
+    logging.getLogger("jax._src.xla_bridge").removeFilter(launch._requested_backend_or_other)
+
+
 # -- speculative (DSpark) server -------------------------------------------------------------------
 
 def test_speculative_server_reports_spec_stats(tmp_path_factory):
@@ -468,6 +640,24 @@ def test_load_generator_smoke(server, tmp_path, capsys):
         check_loopback("http://example.com:30000")
 
 
+def test_soak_smoke_against_the_embedded_model(tmp_path):
+    """benchmarks/soak.py for a few seconds: the embedded pair in its own server process (compiled
+    lazily, small shapes), a handful of clients of every kind, bad requests and disconnects among
+    them; no failure, and the server idle (no requests, pages or slots held) and cleanly stopped."""
+    from benchmarks.soak import main
+
+    rc = main(["--streams", "4", "--duration-s", "8", "--grace-s", "40", "--idle-timeout-s", "30", "--max-tokens", "12",
+               "--bad-rate", "0.3", "--disconnect-rate", "0.2", "--no-progress", "--out", str(tmp_path), "--name", "ci",
+               "--server-args", "--no-precompile --max-running-requests 4 --max-model-len 512 --max-prefill-tokens 64 "
+               "--sps-table-path none"])
+    rep = json.loads((tmp_path / "ci.json").read_text())
+    assert rep["failures"] == 0, rep["failure_samples"]
+    assert rep["idle_at_end"]["idle"] and rep["idle_at_end"]["free_slots"] == 4, rep["idle_at_end"]
+    assert rc == 0 and rep["requests_ok"] >= 1 and rep["server_exit_code"] == 0
+    assert rep["server"]["speculative_algorithm"] == "DSPARK" and rep["rss_mib"]["max"] > 0
+    assert (tmp_path / "ci.md").read_text().startswith("# Soak") and (tmp_path / "ci.png").stat().st_size > 0
+
+
 def test_speculative_server_concurrent_streams_and_disconnect(tmp_path_factory):
     """The default serving path is speculative: 64 concurrent greedy streams through an overlapped
     compact-mode DSpark engine each equal plain greedy decoding of that prompt alone, and a client
@@ -517,6 +707,13 @@ def test_speculative_server_concurrent_streams_and_disconnect(tmp_path_factory):
 
         assert asyncio.run(run_all()) == want
         _wait_idle(S)
+        # n choices through sampled compact rounds: each its own seed (compact's verify windows depend
+        # on the batch, so a sampled choice need not equal the single request: see the static test)
+        sp = {"max_new_tokens": 10, "temperature": 1.0, "top_k": 50, "ignore_eos": True}
+        g = httpx.post(base + "/generate", json={"input_ids": prompts[:2], "sampling_params": {**sp, "seed": 21, "n": 3}},
+                       timeout=60, trust_env=False).json()
+        assert [len(x["output_ids"]) for x in g] == [10] * 6 and len({tuple(x["output_ids"]) for x in g}) > 1
+        _wait_idle(S)
         body = {"input_ids": [7, 8, 9], "stream": True,
                 "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
         with httpx.Client(trust_env=False, timeout=30) as c:
@@ -529,6 +726,40 @@ def test_speculative_server_concurrent_streams_and_disconnect(tmp_path_factory):
                 assert _get(S, "/server_info").json()["internal_states"][0]["kv_used_pages"] > 0
         info = _wait_idle(S)
         assert info["memory_usage"]["kv_used_pages"] == 0 and engine.pool.num_free_pages == engine.pool.num_usable_pages
+
+
+def test_n_with_a_seed_through_static_speculative_rounds(tmp_path_factory):
+    """With a static DSpark engine a seeded sampled request gives the same tokens whatever shares its
+    batch, so n choices with seed s (and a batch of prompts) equal single requests with seeds s, s+1, ..."""
+    from dspark_jax.checkpoint import load_model
+    from dspark_jax.engine import Engine, EngineConfig
+    from dspark_jax.spec.config import SpeculativeConfig
+    from dspark_jax.tiny_model import write_tiny_model
+    from dspark_jax.tokenizer import Tokenizer
+    from serving.app import ServerConfig, create_app
+    from tests.test_speculative_engine import repeat_biased_drafter
+
+    d = write_tiny_model(tmp_path_factory.mktemp("spec-srv-n") / "m", vocab_size=300, max_position_embeddings=512)
+    _, target = load_model(d)
+    ec = EngineConfig(max_running_requests=8, max_prefill_tokens=64, max_model_len=256, page_size=8, precompile=False)
+    engine = Engine(target, Tokenizer.from_folder(d), ec, drafter=repeat_biased_drafter(target),
+                    spec=SpeculativeConfig(mode="static"))
+    app = create_app(engine, ServerConfig(model_name="m", speculative_algorithm="DSPARK", verify_mode="static",
+                                          block_size=engine.worker.gamma))
+    prompts = [[5, 17, 42, 9], [6, 18, 43]]
+    sp = {"max_new_tokens": 10, "temperature": 1.0, "top_k": 50, "ignore_eos": True}
+    with serve_in_thread(app) as base:
+        gen = lambda body: httpx.post(base + "/generate", json=body, timeout=60, trust_env=False).json()
+        singles = [gen({"input_ids": p, "sampling_params": {**sp, "seed": 21 + j}})["output_ids"]
+                   for p in prompts for j in range(3)]
+        assert len({tuple(x) for x in singles}) == 6
+        one = gen({"input_ids": prompts[0], "sampling_params": {**sp, "seed": 21, "n": 3}})
+        assert [x["output_ids"] for x in one] == singles[:3] and one[0]["meta_info"]["spec_verify_ct"] >= 1
+        with openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0) as c:
+            r = c.completions.create(model="m", prompt=prompts, n=3, seed=21, max_tokens=10, temperature=1.0,
+                                     extra_body={"top_k": 50, "ignore_eos": True})
+        assert [engine.tokenizer.decode(x) for x in singles] == [c.text for c in r.choices]
+        assert r.usage.completion_tokens == 60
 
 
 def test_server_args_refuse_impossible_combinations():
@@ -597,14 +828,13 @@ HOSTILE = [
     ("/generate", {"text": "hi", "sampling_params": {"stop": ["ok", "y" * 300_000]}}, "stop", "at most 256"),
     ("/v1/completions", {"prompt": "hi", "stop": [3]}, "stop", "list of strings"),
     # parameters this server does not implement
-    ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of", "best_of"),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo", "echo"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of", "needs log probabilities"),
+    ("/v1/completions", {"prompt": "hi", "n": 3, "best_of": 2}, "best_of", ">= n"),
     ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "suffix", "suffix"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 1}, "logprobs", "log probabilities"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 0}, "logprobs", "log probabilities"),
     ("/v1/chat/completions", {**CHAT_HI, "logprobs": True}, "logprobs", "log probabilities"),
     ("/v1/chat/completions", {**CHAT_HI, "top_logprobs": 3}, "top_logprobs", "log probabilities"),
-    ("/v1/chat/completions", {**CHAT_HI, "n": 3}, "n", "several requests"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", "presence_penalty"),
     ("/v1/chat/completions", {**CHAT_HI, "frequency_penalty": -1}, "frequency_penalty", "frequency_penalty"),
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1.1}, "repetition_penalty", "repetition_penalty"),
@@ -628,7 +858,7 @@ HOSTILE = [
     *[("/generate", {"text": "hi", "sampling_params": {k: v}}, k, k) for k, v in (
         ("repetition_penalty", 1.3), ("frequency_penalty", 0.2), ("presence_penalty", 0.2), ("min_new_tokens", 2),
         ("min_p", 0.1), ("json_schema", '{"type": "object"}'), ("regex", "[a-z]+"), ("ebnf", "root ::= 'a'"),
-        ("structural_tag", "{}"), ("logit_bias", {"3": 1.0}), ("no_stop_trim", True), ("n", 2))],
+        ("structural_tag", "{}"), ("logit_bias", {"3": 1.0}), ("no_stop_trim", True), ("n", 0))],
     # unknown fields are named
     ("/v1/completions", {"prompt": "hi", "foo": 1, "bar": None}, "foo", "'foo', 'bar'"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "mood": "x"}]}, "messages", "messages[0].mood"),

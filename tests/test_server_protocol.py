@@ -1,4 +1,5 @@
-"""Request parsing bounds and validation messages (serving/jsonbody.py, serving/protocol.py): no engine."""
+"""Request parsing bounds and validation messages (serving/jsonbody.py, serving/protocol.py,
+serving/params.py): no engine."""
 
 from __future__ import annotations
 
@@ -6,21 +7,18 @@ import pytest
 
 pytest.importorskip("fastapi")
 
+from serving.errors import ApiError  # noqa: E402
 from serving.jsonbody import MAX_DEPTH, MAX_INT_DIGITS, parse_json_body  # noqa: E402
+from serving.params import Limits, parse_chat, parse_completion, parse_generate  # noqa: E402
 from serving.protocol import (  # noqa: E402
-    _NOT_IMPLEMENTED,
-    ApiError,
+    UNSUPPORTED,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
     GenerateSamplingParams,
-    Limits,
-    parse_chat,
-    parse_completion,
-    parse_generate,
 )
 
-LIM = Limits(max_model_len=128, vocab_size=300)
+LIM = Limits(max_model_len=128, vocab_size=300, max_choices=8)
 
 
 def _refused(raw: bytes, phrase: str) -> ApiError:
@@ -67,19 +65,29 @@ def test_every_refused_parameter_is_a_declared_field():
     fields = set()
     for m in (CompletionRequest, ChatCompletionRequest, GenerateRequest, GenerateSamplingParams):
         fields |= set(m.model_fields)
-    assert {name for name, _, _ in _NOT_IMPLEMENTED} <= fields
+    assert set(UNSUPPORTED) <= fields
 
 
 def test_validation_messages_name_the_field():
     cases = [
         (parse_completion, {"prompt": "hi", "max_tokens": "10"}, "max_tokens", "'max_tokens': Input should be a valid integer"),
-        (parse_completion, {"prompt": {"a": 1}}, "prompt", "'prompt' must be a non-empty string or a non-empty list"),
+        (parse_completion, {"prompt": {"a": 1}}, "prompt", "'prompt' must be a non-empty string or list of token ids"),
         (parse_completion, {}, "prompt", "'prompt' is required"),
         (parse_completion, {"prompt": "hi", "max_tokens": "x", "top_p": 2}, "top_p", "(and 1 more invalid field)"),
         (parse_completion, {"prompt": "hi", "temperature": 1e400}, "temperature", "finite"),
         (parse_completion, {"prompt": "hi", "max_tokens": 129}, "max_tokens", "<= 128 (the context length)"),
         (parse_completion, {"prompt": "hi", "stop_token_ids": [300]}, "stop_token_ids", "[0, 300)"),
-        (parse_completion, {"prompt": [[1, 2], [3]]}, "prompt", "batched prompts"),
+        (parse_completion, {"prompt": [[1, 2], []]}, "prompt", "'prompt[1]' is empty"),
+        (parse_completion, {"prompt": ["a", ""]}, "prompt", "'prompt[1]' is empty"),
+        (parse_completion, {"prompt": []}, "prompt", "'prompt' is empty"),
+        (parse_completion, {"prompt": "hi", "n": 0}, "n", "greater than or equal to 1"),
+        (parse_completion, {"prompt": "hi", "n": 9}, "n", "at most 8 choices per request, got n = 9"),
+        (parse_completion, {"prompt": ["a", "b", "c"], "n": 3}, "n", "3 prompts x n = 3"),
+        (parse_completion, {"prompt": "hi", "n": 2, "best_of": 1}, "best_of", "must be >= n (2)"),
+        (parse_completion, {"prompt": "hi", "n": 2, "best_of": 3}, "best_of", "needs log probabilities"),
+        (parse_completion, {"prompt": "hi", "best_of": 2}, "best_of", "needs log probabilities"),
+        (parse_generate, {"text": ["a", "b"], "sampling_params": {"n": 5}}, "n", "2 prompts x n = 5"),
+        (parse_generate, {"input_ids": [[1], []]}, "input_ids", "'input_ids[1]' is empty"),
         (lambda b, lim: parse_chat(b, lim, 64), {"messages": [{"role": "user"}]}, "messages", "content' is required"),
         (lambda b, lim: parse_chat(b, lim, 64), {"messages": [{"role": "bot", "content": "x"}]}, "messages",
          "'messages[0].role'"),
@@ -95,11 +103,31 @@ def test_validation_messages_name_the_field():
 def test_parsed_values():
     p = parse_completion({"prompt": [[5, 6]], "top_k": -1, "seed": 2**32 - 1, "stop": "x", "stream": True,
                           "stream_options": {"include_usage": True}}, LIM)
-    assert p.prompt == [5, 6] and p.params.top_k == 0 and p.params.seed == 2**32 - 1 and p.params.stop == ("x",)
+    assert p.prompts == [[5, 6]] and p.params.top_k == 0 and p.params.seed == 2**32 - 1 and p.params.stop == ("x",)
     assert p.stream and p.include_usage and p.params.max_new_tokens == 16 and p.params.temperature == 1.0
     c = parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
                                  {"role": "assistant", "content": None, "name": "bot"}]}, LIM, 64)
-    assert c.messages == [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "", "name": "bot"}]
+    assert c.prompts == [[{"role": "user", "content": "ab"}, {"role": "assistant", "content": "", "name": "bot"}]]
     assert c.params.max_new_tokens == 64 and not c.max_tokens_given
     g = parse_generate({"input_ids": [1, 2], "sampling_params": {"sampling_seed": 9, "max_new_tokens": 3}}, LIM)
-    assert g.prompt == [1, 2] and g.params.seed == 9 and g.params.max_new_tokens == 3
+    assert g.prompts == [[1, 2]] and not g.batched and g.params.seed == 9 and g.params.max_new_tokens == 3
+
+
+def test_choices_seeds_and_batches():
+    """n engine requests per prompt, prompt-major; with a seed choice j samples with seed + j
+    (mod 2**32) whatever the prompt; the chat default max_tokens is capped per prompt."""
+    p = parse_completion({"prompt": [[5, 6], [7]], "n": 3, "best_of": 3, "seed": 2**32 - 2, "echo": True,
+                          "user": "u"}, LIM)
+    assert p.batched and p.echo and p.n == 3 and p.num_choices == 6
+    jobs = p.jobs([[5, 6], [7]], LIM.max_model_len)
+    assert [ids for ids, _ in jobs] == [[5, 6]] * 3 + [[7]] * 3
+    assert [sp.seed for _, sp in jobs] == [2**32 - 2, 2**32 - 1, 0] * 2
+    assert p.params.seed == 2**32 - 2  # the request's own params are left alone
+    unseeded = parse_completion({"prompt": "hi", "n": 2}, LIM).jobs([[1, 2]], LIM.max_model_len)
+    assert [sp.seed for _, sp in unseeded] == [None, None]  # the engine draws one per request
+    single = parse_completion({"prompt": [[5, 6]]}, LIM)
+    assert single.batched and single.prompts == [[5, 6]] and not parse_completion({"prompt": [5, 6]}, LIM).batched
+    c = parse_chat({"messages": [{"role": "user", "content": "x"}], "n": 2}, LIM, 10**6)
+    assert [sp.max_new_tokens for _, sp in c.jobs([[1] * 100], LIM.max_model_len)] == [28, 28]
+    g = parse_generate({"text": ["a", "b"], "sampling_params": {"n": 2, "seed": 4}}, LIM)
+    assert g.batched and [sp.seed for _, sp in g.jobs([[1], [2]], LIM.max_model_len)] == [4, 5, 4, 5]

@@ -63,11 +63,15 @@ def make_worker(drafter=None, spec=None) -> Worker:
     raise TypeError(f"unknown drafter type {type(drafter).__name__}")
 
 
-def compile_engines(engines) -> float:
+def compile_engines(engines, progress=None) -> float:
     """Compile every executable the engines' workers run, several at a time (XLA compiles outside
-    the GIL, so the host's cores share the work), logging progress; returns seconds spent."""
+    the GIL, so the host's cores share the work), logging progress; returns seconds spent.
+    progress(done, total, label), if given, is called with (0, total, None) first, then as each
+    executable is compiled (e.g. to draw a progress bar)."""
     todo = [(label, build) for e in engines for label, build in e.worker.executables()]
     t0 = time.perf_counter()
+    if progress is not None:
+        progress(0, len(todo), None)
     threads = max(1, min(len(todo), os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:
         futures = {pool.submit(build): label for label, build in todo}
@@ -76,6 +80,8 @@ def compile_engines(engines) -> float:
             spent = time.perf_counter() - t0
             log.info("compiled %d/%d (%s) at %.0f s, about %.0f s left", i, len(todo), futures[done], spent,
                      spent / i * (len(todo) - i))
+            if progress is not None:
+                progress(i, len(todo), futures[done])
     for e in engines:
         e.runner.take_compile_spans()
     return time.perf_counter() - t0
