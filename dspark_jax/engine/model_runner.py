@@ -35,6 +35,9 @@ def enable_compilation_cache(path: str | Path | None = None) -> None:
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # A size bound turns on JAX's file lock: without it, a process can read an entry another
+    # process (a second server, a test worker) is still writing.
+    jax.config.update("jax_compilation_cache_max_size", 32 * 2**30)
 
 
 def round_up(value: int, buckets: list[int]) -> int:
