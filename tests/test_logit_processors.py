@@ -262,6 +262,12 @@ def test_unprocessed_batches_keep_their_executables(model_dir, target):
         eng.generate(prompts[0], SamplingParams(logit_bias={eng.num_tokens: 1.0}))
     with pytest.raises(ValueError, match="logit_processors"):
         EngineConfig(logit_processors="eager").validate()
+    for arm in ("static", "mtp"):  # speculative engines list a processed twin of every round executable
+        labels = [label for label, _ in _engine(target, None, arm, EngineConfig(**EC, logit_processors="precompile"))
+                  .executables()]
+        rounds = [label for label in labels if " round " in label]
+        assert "logit processors install" in labels
+        assert 2 * sum(label.endswith(" processed") for label in rounds) == len(rounds) > 0
 
 
 def test_min_tokens_holds_off_eos_and_stop_strings(plain, model_dir, target):
@@ -352,3 +358,42 @@ def test_logprobs_cover_the_top_of_a_small_vocabulary(small_target):
     assert [len(t) for t in r.top_logprobs] == [6, 6, 6]
     np.testing.assert_allclose([sum(np.exp(v) for _, v in t) for t in r.top_logprobs], 1.0, rtol=1e-5)
     assert r.to_json()["logprobs"] == r.logprobs
+
+
+# -- the embedded default pair -------------------------------------------------------------------
+@pytest.mark.parametrize("arm", ["compact", "mtp"])
+def test_default_pair_with_processors_equals_plain(arm):
+    """The trained drafters, whose drafts are mostly right, over a batch of requests with and
+    without processors: the same tokens and logprobs as the plain engine, with multi-token rounds."""
+    from dspark_jax.default_model import default_drafter_path, default_model_path, default_mtp_path
+    from tests.test_default_pair import EC as DEFAULT_EC
+    from tests.test_default_pair import PROMPTS
+    from tests.test_default_pair import TABLE as DEFAULT_TABLE
+
+    if default_drafter_path() is None or default_mtp_path() is None:
+        pytest.skip("the embedded drafters are not in this tree")
+    prompts = [PROMPTS[i] for i in (1, 0, 2, 4)]  # code, math, verse, math
+    eos = 2  # the default model's; biased to the argmax, then held off by min_tokens
+    params = [SamplingParams(max_new_tokens=32, frequency_penalty=2.0, presence_penalty=1.0, logprobs=5),
+              SamplingParams(max_new_tokens=32, repetition_penalty=2.0, presence_penalty=0.5),
+              SamplingParams(max_new_tokens=32),
+              SamplingParams(max_new_tokens=32, min_tokens=20, logit_bias={eos: 100.0, 13: -100.0}, logprobs=0)]
+    plain = Engine.from_pretrained(default_model_path(), DEFAULT_EC)
+    want = plain.generate(prompts, params)
+    if arm == "mtp":
+        eng = Engine.from_pretrained(default_model_path(), DEFAULT_EC, SpeculativeConfig(algorithm="mtp"),
+                                     draft_path=default_mtp_path())
+    else:
+        eng = Engine.from_pretrained(default_model_path(), DEFAULT_EC,
+                                     SpeculativeConfig(mode=arm, cost_table=DEFAULT_TABLE),
+                                     draft_path=default_drafter_path())
+    got = eng.generate(prompts, params)
+    for g, w in zip(got, want):
+        assert (g.token_ids, g.finish_reason) == (w.token_ids, w.finish_reason)
+        if w.logprobs is not None:
+            np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4)
+            assert [[t for t, _ in top] for top in g.top_logprobs] == [[t for t, _ in top] for top in w.top_logprobs]
+    assert len(want[3].token_ids) == 21 and want[3].token_ids[-1] == eos and want[3].finish_reason == "stop"
+    free = plain.generate(prompts, SamplingParams(max_new_tokens=32))
+    assert all(free[i].token_ids != want[i].token_ids for i in (0, 1, 3))  # the processors changed the text
+    assert max(a for g in got[:2] for a in g.stats["spec"]["accept_lens"]) > 2

@@ -12,10 +12,10 @@ target's next token of every anchor, whose row still extends the draft context):
   -> accept (exact match / speculative sampling) -> extend the draft context cache with the
      target's tapped hidden states of the anchor and accepted drafts.
 Only the committed tokens (drafts[:a] + bonus) and small per-request statistics go back to the
-host.  A processed round (lstate given: a request in the batch uses logit processors or
-logprobs) verifies against the processed target distribution of each window row and returns
-the committed tokens' raw logprobs (dspark_jax/logit_processors.py).  Random keys come per request from (seed, anchor position), so outputs do not depend on
-batch composition.
+host.  Random keys come per request from (seed, anchor position), so outputs do not depend on
+batch composition.  A processed round (lstate given: a request in the batch uses logit
+processors or logprobs) verifies against the processed target distribution of each window row
+and returns the committed tokens' raw logprobs (dspark_jax/logit_processors.py).
 
 Feeding: a round also returns each request's next anchor and position (padded to the engine's
 slot count R, so every tier's executable shares one shape) and takes the previous round's as
@@ -93,8 +93,8 @@ class SpecOutputs(NamedTuple):
         return TokenLogprobs(self.logprob, self.top_ids, self.top_logprobs)
 
 
-FED_OUTPUTS = ("next_anchor", "next_start")
-RESULT_FIELDS = tuple(f for f in SpecOutputs._fields if f not in FED_OUTPUTS)  # read by the host; the rest feeds the next round
+FED_OUTPUTS = ("next_anchor", "next_start")  # feed the next round on the device
+RESULT_FIELDS = tuple(f for f in SpecOutputs._fields if f not in FED_OUTPUTS)  # read by the host
 
 
 def _keys(seed, position, stream: int):
