@@ -70,7 +70,6 @@ class SamplingParams:
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
         self._validate_processors(bad, vocab_size)
 
-
     def _validate_processors(self, bad, vocab_size: int | None) -> None:
         from dspark_jax.logit_processors import MAX_LOGIT_BIAS
         from dspark_jax.logprobs import MAX_LOGPROBS
@@ -78,19 +77,19 @@ class SamplingParams:
         def is_int(v):
             return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
-        def number(name, lo, hi, lo_open=False):
+        def number(name, lo, hi, why=""):
             v = getattr(self, name)
             if not isinstance(v, (int, float, np.integer, np.floating)) or isinstance(v, bool) or not np.isfinite(v) \
-                    or v < lo or v > hi or (lo_open and v == lo):
-                bad(f"{name} must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}")
+                    or not lo <= v <= hi:
+                bad(f"{name} must be a number in [{lo:g}, {hi:g}]{why}, got {v!r}")
             setattr(self, name, float(v))
 
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         number("presence_penalty", -2.0, 2.0)
         number("frequency_penalty", -2.0, 2.0)
-        # > 0 and a float32 on the device (divided and multiplied into float32 logits).
-        number("repetition_penalty", 0.0, float(np.finfo(np.float32).max), lo_open=True)
+        number("repetition_penalty", 1e-6, 1e6, " (> 0, and bounded so float32 logits divided or multiplied by it "
+                                                "stay finite)")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
             bad(f"min_tokens must be an integer in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens!r}")
         if not isinstance(self.logit_bias, dict):

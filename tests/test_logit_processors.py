@@ -101,6 +101,7 @@ def test_processed_logits_match_the_reference():
     (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-2.01), "frequency_penalty"),
     (dict(frequency_penalty=float("nan")), "frequency_penalty"), (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(repetition_penalty=-1.0), "repetition_penalty"), (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(repetition_penalty=1e-30), "repetition_penalty"), (dict(presence_penalty="1"), "presence_penalty"),
     (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=9, max_new_tokens=8), "min_tokens"),
     (dict(min_tokens=1.5), "min_tokens"), (dict(logit_bias={5: 101.0}), "logit_bias"),
     (dict(logit_bias={5: float("nan")}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "outside the vocabulary"),
