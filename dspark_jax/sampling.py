@@ -26,8 +26,29 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings; excluded from the returned text
     ignore_eos: bool = False
+    # Log-probabilities (dspark_jax/logprobs.py) and logit processors (dspark_jax/logit_processors.py):
+    logprobs: int | None = None  # None: none; k: the chosen token's raw target logprob and the top k (k <= 20)
+    presence_penalty: float = 0.0  # OpenAI: minus this from every token generated at least once, in [-2, 2]
+    frequency_penalty: float = 0.0  # OpenAI: minus this times a token's generated count, in [-2, 2]
+    repetition_penalty: float = 1.0  # HF/vLLM: a prompt or generated token's logit divided (> 0) or times (< 0) this
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)  # added to those ids' logits, in [-100, 100]
 
-    def validate(self) -> None:
+    @property
+    def processes_logits(self) -> bool:
+        """Whether a penalty, logit bias or min_tokens changes the target's distribution."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens or self.logit_bias)
+
+    @property
+    def needs_processed_steps(self) -> bool:
+        """Whether the request needs the engine's processed executables (processors or logprobs)."""
+        return self.logprobs is not None or self.processes_logits
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Check every field (normalizing some in place); vocab_size: the real vocabulary, which
+        logit_bias ids must fall in (None: checked by the engine)."""
+
         def bad(msg):
             raise InvalidRequestError(msg)
 
@@ -47,8 +68,48 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop strings must be non-empty strings")
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        self._validate_processors(bad, vocab_size)
 
+    def _validate_processors(self, bad, vocab_size: int | None) -> None:
+        from dspark_jax.logit_processors import MAX_LOGIT_BIAS
+        from dspark_jax.logprobs import MAX_LOGPROBS
 
+        def is_int(v):
+            return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+        def number(name, lo, hi, why=""):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float, np.integer, np.floating)) or isinstance(v, bool) or not np.isfinite(v) \
+                    or not lo <= v <= hi:
+                bad(f"{name} must be a number in [{lo:g}, {hi:g}]{why}, got {v!r}")
+            setattr(self, name, float(v))
+
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        number("presence_penalty", -2.0, 2.0)
+        number("frequency_penalty", -2.0, 2.0)
+        number("repetition_penalty", 1e-6, 1e6, " (> 0, and bounded so float32 logits divided or multiplied by it "
+                                                "stay finite)")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            bad(f"min_tokens must be an integer in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens!r}")
+        if not isinstance(self.logit_bias, dict):
+            bad(f"logit_bias must be a mapping of token id to bias, got {type(self.logit_bias).__name__}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            bad(f"logit_bias holds {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are accepted")
+        bias = {}
+        for key, value in self.logit_bias.items():
+            tid = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else key
+            if not is_int(tid):
+                bad(f"logit_bias keys must be integer token ids, got {key!r}")
+            if not 0 <= tid < (vocab_size if vocab_size is not None else 2**31):
+                bad(f"logit_bias token id {tid} is outside the vocabulary [0, {vocab_size if vocab_size is not None else 2**31})")
+            if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool) \
+                    or not -100.0 <= value <= 100.0:
+                bad(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {tid}")
+            if int(tid) in bias:
+                bad(f"logit_bias names token {tid} twice")
+            bias[int(tid)] = float(value)
+        self.logit_bias = bias
 
 
 def sampling_arrays(params: list[SamplingParams], seeds: list[int], positions: list[int], rows: int):

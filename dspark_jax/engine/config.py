@@ -7,6 +7,8 @@ import dataclasses
 
 from pallas_kernels.backend import BACKENDS
 
+LOGIT_PROCESSORS = ("lazy", "precompile", "off")
+
 
 @dataclasses.dataclass
 class EngineConfig:
@@ -30,6 +32,12 @@ class EngineConfig:
     precompile: bool = True  # False: compile each executable on first use
     overlap: bool = True  # dispatch step t+1, fed on the device, before reading step t
     seed: int = 0  # draws seeds for requests that do not bring one
+    # Penalties, logit bias, min_tokens and logprobs (dspark_jax/logit_processors.py) run in
+    # "processed" executables, used only by batches that hold such a request: "lazy" compiles
+    # each on first use (the batch waits; the runner notes the compile), "precompile" with the
+    # others (at start-up unless precompile is off; twice a speculative engine's round
+    # executables), "off" refuses such requests and keeps no processor state.
+    logit_processors: str = "lazy"
 
     def validate(self) -> None:
         if self.max_running_requests < 1 or self.max_prefill_tokens < 1 or self.max_prefill_seqs < 1:
@@ -40,5 +48,7 @@ class EngineConfig:
             raise ValueError(f"min_context_bucket must be >= 0, got {self.min_context_bucket}")
         if self.kernels not in BACKENDS:
             raise ValueError(f"kernels must be one of {BACKENDS}, got {self.kernels!r}")
+        if self.logit_processors not in LOGIT_PROCESSORS:
+            raise ValueError(f"logit_processors must be one of {LOGIT_PROCESSORS}, got {self.logit_processors!r}")
         if self.dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")

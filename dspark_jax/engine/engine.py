@@ -34,6 +34,7 @@ from dspark_jax.engine.scheduler import Scheduler
 from dspark_jax.engine.worker import PlainWorker, Worker
 from dspark_jax.errors import InvalidRequestError
 from dspark_jax.kv_cache import allocate_kv_cache, kv_bytes_per_token
+from dspark_jax.logit_processors import MAX_STOP_IDS, LogitProcessors
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
 from dspark_jax.page_pool import PagePool
 from dspark_jax.sampling import SamplingParams
@@ -68,7 +69,7 @@ def compile_engines(engines, progress=None) -> float:
     the GIL, so the host's cores share the work), logging progress; returns seconds spent.
     progress(done, total, label), if given, is called with (0, total, None) first, then as each
     executable is compiled (e.g. to draw a progress bar)."""
-    todo = [(label, build) for e in engines for label, build in e.worker.executables()]
+    todo = [(label, build) for e in engines for label, build in e.executables()]
     t0 = time.perf_counter()
     if progress is not None:
         progress(0, len(todo), None)
@@ -107,6 +108,10 @@ class Engine:
         unroll = ec.unroll_decode if ec.unroll_decode is not None else jax.default_backend() == "gpu"
         self.runner = ModelRunner(model, allocate_kv_cache(self.config, self.pool.num_pages, ec.page_size, model.dtype),
                                   kernels=ec.kernels, unroll=unroll)
+        self.num_tokens = model.num_tokens  # the real vocabulary (the head may be wider)
+        self.processors = None if ec.logit_processors == "off" else LogitProcessors(
+            self.runner, slots=ec.max_running_requests, vocab=self.config.vocab_size, max_len=self.max_model_len,
+            precompile=ec.logit_processors == "precompile")
         self.prefill_seqs = min(ec.max_prefill_seqs, ec.max_running_requests)
         self.decode_buckets = batch_ladder(ec.max_running_requests)
         self.prefill_buckets = batch_ladder(ec.max_prefill_tokens, start=min(16, ec.max_prefill_tokens))
@@ -153,6 +158,10 @@ class Engine:
         fit = int(free * self.ec.kv_memory_fraction) // (per_token * self.ec.page_size)
         return max(2, min(want, fit))
 
+    def executables(self) -> list:
+        """(label, compile thunk) of every executable compiled at start-up."""
+        return self.worker.executables() + (self.processors.executables() if self.processors else [])
+
     def compile_all(self) -> float:
         """Compile every executable the worker runs (see compile_engines); returns seconds spent."""
         return compile_engines([self])
@@ -198,9 +207,22 @@ class Engine:
                 f"at least one generated token{f' and a {self.lookahead}-token draft block' if self.lookahead else ''}")
         return ids
 
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def check_params(self, params: SamplingParams | None) -> SamplingParams:
+        """A validated copy of a request's sampling parameters (default ones for None), checked
+        against this engine: the vocabulary, and whether it runs logit processors."""
         params = dataclasses.replace(params) if params else SamplingParams()
-        params.validate()
+        params.validate(vocab_size=self.num_tokens)
+        if params.needs_processed_steps and self.processors is None:
+            raise InvalidRequestError("logprobs, penalties, logit_bias and min_tokens need an engine with logit "
+                                      "processors (EngineConfig.logit_processors is 'off')")
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
+        if params.min_tokens and len(stops) > MAX_STOP_IDS:
+            raise InvalidRequestError(f"min_tokens masks at most {MAX_STOP_IDS} stop and EOS ids; this request "
+                                      f"has {len(stops)}")
+        return params
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        params = self.check_params(params)
         ids = self.encode_prompt(prompt)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._requests:
@@ -253,13 +275,18 @@ class Engine:
     def _prefill(self, chunks):
         """Prefill prompt chunks; a request whose prompt is now cached starts decoding with its
         sampled first token."""
-        tokens = np.asarray(self.worker.prefill(chunks))
+        if self.processors is not None:  # a request's processors before its first token
+            for r, _ in chunks:
+                if r.num_cached == 0 and r.params.processes_logits:
+                    self.processors.install(r)
+        tokens, logprobs = jax.device_get(self.worker.prefill(chunks))
         events = []
         for i, (r, n) in enumerate(chunks):
             r.num_cached += n
             if r.num_cached == len(r.prompt_ids):
                 r.status = Status.DECODE
-                events.append((r, r.append_tokens([tokens[i]])))
+                lp = None if logprobs is None else type(logprobs)(*(x[i: i + 1] for x in logprobs))
+                events.append((r, r.append_tokens([tokens[i]], lp)))
         return events
 
     def _decode(self, reqs):
@@ -299,7 +326,7 @@ class Engine:
         # Validate everything before queueing anything, so one bad prompt harms no other.
         for p, sp in zip(prompts, params):
             self.encode_prompt(p)
-            (dataclasses.replace(sp) if sp else SamplingParams()).validate()
+            self.check_params(sp)
         reqs = [self._requests[self.add_request(p, sp)] for p, sp in zip(prompts, params)]
         t0 = time.perf_counter()
         while any(r.status is not Status.FINISHED for r in reqs):

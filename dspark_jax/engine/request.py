@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from dspark_jax.logprobs import host_rows
 from dspark_jax.sampling import SamplingParams
 from dspark_jax.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -27,6 +28,10 @@ class GenerationResult:
     text: str
     finish_reason: str  # "stop" (EOS, stop id or stop string), "length", "abort"
     stats: dict
+    # With SamplingParams.logprobs: per generated token, its raw target logprob, and the top k
+    # (token id, logprob) pairs, most likely first (dspark_jax/logprobs.py).
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -53,6 +58,10 @@ class Request:
         self.num_cached = 0  # tokens whose K/V are in the cache
         self.finish_reason: str | None = None
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
+        self.processed = params.needs_processed_steps  # runs the engine's processed executables
+        wants = params.logprobs is not None
+        self.logprobs: list[float] | None = [] if wants else None  # per output token (GenerationResult)
+        self.top_logprobs: list[list[tuple[int, float]]] | None = [] if wants else None
         # Never generate past the model's context: the last token needs a position < max_model_len.
         # `lookahead` positions past the last token are touched too (a speculative round writes
         # a whole draft block beyond it), so they must also fit and be reserved.
@@ -86,20 +95,28 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
-    def commit(self, ids) -> list[int]:
+    def commit(self, ids, logprobs=None) -> list[int]:
         """Commit a decode step's or round's tokens: every one but the last is now in the cache
         (the last is the next step's input).  Returns the ids kept (cut at a stop condition)."""
         self.num_cached = self.total_len - 1 + len(ids)
-        return self.append_tokens(ids)
+        return self.append_tokens(ids, logprobs)
 
-    def append_tokens(self, ids) -> list[int]:
-        """Commit generated tokens, stopping at the first stop condition.
+    def append_tokens(self, ids, logprobs=None) -> list[int]:
+        """Commit generated tokens, stopping at the first stop condition; logprobs: theirs (host
+        TokenLogprobs, a row per id), kept for the committed ones when the request asked.
 
         Returns the ids actually committed (a multi-token commit, as speculative decoding
         produces, is cut at an EOS or stop string inside it)."""
         if self.status is Status.FINISHED:
             return []
-        ids = list(map(int, ids))
+        committed = self._append(list(map(int, ids)))
+        if self.logprobs is not None and committed:
+            chosen, top = host_rows(logprobs, len(committed), self.params.logprobs)
+            self.logprobs += chosen
+            self.top_logprobs += top
+        return committed
+
+    def _append(self, ids: list[int]) -> list[int]:
         if ids and self.t_first_token is None:
             self.t_first_token = time.perf_counter()
         if self.params.stop:  # stop strings: detokenize token by token to cut at the exact one
@@ -147,7 +164,8 @@ class Request:
         if self.decoder is not None:
             before = len(self.text)
             self.text += self.decoder.push([t])
-            if self.params.stop:
+            # Stop strings count once min_tokens are generated (as vLLM's stop checker).
+            if self.params.stop and len(self.output_ids) >= self.params.min_tokens:
                 longest = max(len(s) for s in self.params.stop)
                 window_start = max(0, before - longest + 1)
                 hits = [i for s in self.params.stop if (i := self.text.find(s, window_start)) >= 0]
@@ -179,6 +197,8 @@ class Request:
             token_ids=list(self.output_ids),
             text=self.text,
             finish_reason=self.finish_reason or "abort",
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            top_logprobs=list(self.top_logprobs) if self.top_logprobs is not None else None,
             stats={
                 "prompt_tokens": len(self.prompt_ids),
                 "completion_tokens": n,

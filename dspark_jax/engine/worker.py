@@ -20,7 +20,9 @@ from dspark_jax.engine.flat_state import with_flat_states
 from dspark_jax.engine.model_runner import abstract, round_up
 from dspark_jax.engine.request import Request, Status
 from dspark_jax.forward_batch import ForwardBatch, build_forward_batch, shape_struct
-from dspark_jax.sampling import sample, sampling_arrays, sampling_struct
+from dspark_jax.logit_processors import LogitProcessors, sample_processed
+from dspark_jax.logprobs import TokenLogprobs
+from dspark_jax.sampling import sampling_arrays, sampling_struct
 
 
 class Worker:
@@ -48,8 +50,9 @@ class Worker:
     def calibrate(self) -> None:
         """Runs once the executables are compiled (e.g. to profile this device's step costs)."""
 
-    def prefill(self, chunks: list[tuple[Request, int]]) -> jax.Array:
-        """Dispatch a prefill of prompt chunks; returns each chunk's sampled next token (device)."""
+    def prefill(self, chunks: list[tuple[Request, int]]) -> tuple[jax.Array, TokenLogprobs | None]:
+        """Dispatch a prefill of prompt chunks; returns each chunk's sampled next token and, where
+        the engine runs logit processors, its raw logprobs (device arrays)."""
         raise NotImplementedError
 
     def dispatch(self, reqs: list[Request], prev):
@@ -74,7 +77,9 @@ class Worker:
 
 def prefill_batch(engine, chunks) -> tuple[ForwardBatch, tuple]:
     """The packed prefill step of prompt chunks [(request, n)] and its sampling arrays, padded
-    to the engine's prefill bucket: every worker prefills the same way."""
+    to the engine's prefill bucket: every worker prefills the same way.  Where the engine runs
+    logit processors, the sampling arrays end with each row's logit slot (-1 unless the chunk
+    completes a prompt whose request uses processors): prefill always processes."""
     T = round_up(sum(n for _, n in chunks), engine.prefill_buckets)
     S = engine.prefill_seqs
     pool = engine.pool
@@ -84,6 +89,8 @@ def prefill_batch(engine, chunks) -> tuple[ForwardBatch, tuple]:
                                 pages_per_seq=engine.pages_per_seq)
     reqs = [r for r, _ in chunks]
     sampling = sampling_arrays([r.params for r in reqs], [r.seed for r in reqs], [len(r.prompt_ids) for r in reqs], S)
+    if engine.processors is not None:
+        sampling += (LogitProcessors.slots(reqs, S, [r.num_cached + n == len(r.prompt_ids) for r, n in chunks]),)
     return batch, sampling
 
 
@@ -92,35 +99,57 @@ def prefill_shapes(engine) -> list[tuple[int, int]]:
     return [(t, engine.prefill_seqs) for t in engine.prefill_buckets]
 
 
+def prefill_sampling_struct(engine, rows: int) -> tuple:
+    """Abstract sampling arrays of a prefill step (prefill_batch's), and of a processed step."""
+    return sampling_struct(rows) + ((jax.ShapeDtypeStruct((rows,), np.int32),) if engine.processors else ())
+
+
+def logprob_rows(lp: TokenLogprobs | None, i: int, n: int = 1) -> TokenLogprobs | None:
+    """Rows i..i+n of host logprobs (None stays None)."""
+    return None if lp is None else TokenLogprobs(*(x[i: i + n] for x in lp))
+
+
 @dataclasses.dataclass
 class _DecodeStep:
     reqs: list[Request]
     tokens: jax.Array
+    logprobs: TokenLogprobs | None = None
 
 
 class PlainWorker(Worker):
-    """One token per request per step.  Decode steps compile twice per bucket, for all-greedy
-    batches (argmax only) and batches that sample, picked on the host."""
+    """One token per request per step.  Decode steps compile per bucket for all-greedy batches
+    (argmax only), batches that sample, and batches holding a request with logit processors or
+    logprobs ("processed": dspark_jax/logit_processors.py), picked on the host."""
 
     def bind(self, engine) -> None:
         super().bind(engine)
         runner = engine.runner
         self._compiled: dict = {}
 
-        def step(state, cache, batch: ForwardBatch, sampling, *, prefill: bool, variant: str):
+        def step(state, cache, lstate, batch: ForwardBatch, sampling, *, prefill: bool, variant: str):
+            """lstate: the logit-processor state (prefill, "processed"; else None), whose rows
+            sampling[5] names."""
             model = nnx.merge(runner.graphdef, state)
             out = model(cache, batch, **runner.forward_options(prefill))
-            return sample(out.logits, *sampling, variant=variant), out.cache
+            tokens, lp, lstate = sample_processed(out.logits, sampling[:5], lstate, sampling[5] if lstate is not None else None,
+                                                  variant="any" if variant == "processed" else variant)
+            return tokens, lp, out.cache, lstate
 
         self._jit = {(prefill, variant): jax.jit(with_flat_states(
-            functools.partial(step, prefill=prefill, variant=variant), (runner.state_def,)), donate_argnums=(1,))
-            for prefill, variant in ((True, "any"), (False, "greedy"), (False, "stochastic"))}
+            functools.partial(step, prefill=prefill, variant=variant), (runner.state_def,)), donate_argnums=(1, 2))
+            for prefill, variant in ((True, "any"), (False, "greedy"), (False, "stochastic"), (False, "processed"))}
 
     def _shapes(self):
         e = self.engine
-        decode = [(b, b, p, v) for b in e.decode_buckets for p in e.page_widths for v in ("greedy", "stochastic")]
+        variants = ("greedy", "stochastic") + (("processed",) if e.processors and e.processors.precompile else ())
+        decode = [(b, b, p, v) for b in e.decode_buckets for p in e.page_widths for v in variants]
         prefill = [(t, s, e.pages_per_seq, "any") for t, s in prefill_shapes(e)]
         return prefill + decode
+
+    def _lstate(self, variant: str):
+        """The logit-processor state a step of this variant takes (None: it takes none)."""
+        processors = self.engine.processors
+        return processors.state if processors is not None and variant in ("any", "processed") else None
 
     def executables(self):
         return [(f"{'prefill' if v == 'any' else 'decode'} tokens={T} seqs={S} pages={P} {v}",
@@ -131,18 +160,26 @@ class PlainWorker(Worker):
         if key not in self._compiled:
             runner = self.engine.runner
             prefill = variant == "any"
+            lstate = self._lstate(variant)
+            samp = prefill_sampling_struct(self.engine, S) if lstate is not None else sampling_struct(S)
             self._compiled[key] = runner.compile(self._jit[prefill, variant].lower(
-                abstract(runner.state), abstract(runner.cache), shape_struct(T, S, P, S), sampling_struct(S)))
+                abstract(runner.state), abstract(runner.cache), abstract(lstate), shape_struct(T, S, P, S), samp))
         return self._compiled[key]
 
-    def run(self, batch: ForwardBatch, sampling, variant: str) -> jax.Array:
-        """Dispatch one step on a packed batch (variant: "any" for prefill, "greedy" or
-        "stochastic" for decode); returns its sampled tokens, not yet read."""
+    def run(self, batch: ForwardBatch, sampling, variant: str):
+        """Dispatch one step on a packed batch (variant: "any" for prefill, "greedy",
+        "stochastic" or "processed" for decode; the last two sample the same way, "processed"
+        with logit processors, whose slot column ends its sampling arrays).  Returns its sampled
+        tokens, not yet read; "any" and "processed" also their logprobs: (tokens, TokenLogprobs
+        or None)."""
         runner = self.engine.runner
         S, P = batch.page_table.shape
         fn = self._executable(batch.input_ids.shape[0], S, P, variant)
-        tokens, runner.cache = fn(runner.state, runner.cache, batch, sampling)
-        return tokens
+        lstate = self._lstate(variant)
+        tokens, lp, runner.cache, lstate = fn(runner.state, runner.cache, lstate, batch, sampling)
+        if lstate is not None:
+            self.engine.processors.state = lstate
+        return tokens if variant in ("greedy", "stochastic") else (tokens, lp)
 
     def prefill(self, chunks):
         return self.run(*prefill_batch(self.engine, chunks), "any")
@@ -163,10 +200,17 @@ class PlainWorker(Worker):
             batch = batch._replace(input_ids=prev.tokens)
         sampling = sampling_arrays([r.params for r in reqs], [r.seed for r in reqs],
                                    [r.total_len + ahead for r in reqs], B)
-        tokens = self.run(batch, sampling, "stochastic" if sampling[0].any() else "greedy")
+        if any(r.processed for r in reqs):
+            tokens, lp = self.run(batch, sampling + (LogitProcessors.slots(reqs, B),), "processed")
+            for x in lp:
+                x.copy_to_host_async()
+        else:
+            tokens, lp = self.run(batch, sampling, "stochastic" if sampling[0].any() else "greedy"), None
         tokens.copy_to_host_async()
-        return _DecodeStep(reqs, tokens)
+        return _DecodeStep(reqs, tokens, lp)
 
     def read(self, step):
         tokens = np.asarray(step.tokens)
-        return [(r, r.commit([tokens[i]])) for i, r in enumerate(step.reqs) if r.status is not Status.FINISHED]
+        lp = jax.device_get(step.logprobs) if step.logprobs is not None else None
+        return [(r, r.commit([tokens[i]], logprob_rows(lp, i))) for i, r in enumerate(step.reqs)
+                if r.status is not Status.FINISHED]

@@ -24,6 +24,7 @@ class RoundBatch:
     top_k: jax.Array  # [S] int32 (0: off)
     top_p: jax.Array  # [S] float32
     seed: jax.Array  # [S] uint32
+    logit_slot: jax.Array  # [S] int32 the row's logit-processor state row, -1: none (read by processed rounds only)
 
     @staticmethod
     def shapes(rows: int, pages: int) -> dict:
@@ -31,7 +32,7 @@ class RoundBatch:
         s, i32, S = jax.ShapeDtypeStruct, np.int32, rows
         return dict(anchor=s((S,), i32), start=s((S,), i32), page_table=s((S, pages), i32), live=s((S,), np.bool_),
                     num_seqs=s((), i32), temperature=s((S,), np.float32), top_k=s((S,), i32),
-                    top_p=s((S,), np.float32), seed=s((S,), np.uint32))
+                    top_p=s((S,), np.float32), seed=s((S,), np.uint32), logit_slot=s((S,), i32))
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)

@@ -10,6 +10,7 @@ import collections
 import numpy as np
 
 from dspark_jax.engine.request import Status
+from dspark_jax.logprobs import TokenLogprobs
 
 STATS_WINDOW = 65536  # per-request-round samples kept for summary(): a long-running server stays bounded
 
@@ -21,11 +22,14 @@ def new_round_stats(*extra: str) -> dict:
     return {"rounds": 0, "samples": 0, **{k: window() for k in keys}}
 
 
-def commit_rounds(stats: dict, reqs, drafts, num_accepted, bonus, verify_lens, block_accept) -> list[tuple]:
+def commit_rounds(stats: dict, reqs, drafts, num_accepted, bonus, verify_lens, block_accept,
+                  logprobs: TokenLogprobs | None = None) -> list[tuple]:
     """Commit row i's drafts[:a_i] + bonus_i to reqs[i] (cut at a stop condition) for every request
     not already finished, and record the round; returns (request, start, committed tokens) per
     committed request.  A request's anchor is its last committed token, at position start.
-    The round's arrays become Python lists once and the statistics windows grow once per round."""
+    logprobs ([S, W] / [S, W, K] host arrays, a processed round's): those of each window row's
+    committed token.  The round's arrays become Python lists once and the statistics windows grow
+    once per round."""
     n = len(reqs)
     drafts, acc, bonus, win, blk = (np.asarray(x)[:n].tolist()
                                     for x in (drafts, num_accepted, bonus, verify_lens, block_accept))
@@ -35,7 +39,8 @@ def commit_rounds(stats: dict, reqs, drafts, num_accepted, bonus, verify_lens, b
             continue  # finished (or aborted) in an earlier round: this round was speculative work
         a = acc[i]
         start = r.total_len - 1
-        committed = r.commit(drafts[i][:a] + [bonus[i]])
+        lp = None if logprobs is None else TokenLogprobs(*(x[i] for x in logprobs))
+        committed = r.commit(drafts[i][:a] + [bonus[i]], lp)
         r.spec_rounds.append((a + 1, win[i], blk[i] + 1))
         accept_lens.append(a + 1)
         verify.append(win[i])

@@ -3,6 +3,8 @@ per-round host arrays, packed transfers, and the round statistics."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import numpy as np
 from flax import nnx
@@ -10,9 +12,23 @@ from flax import nnx
 from dspark_jax.engine.flat_state import flatten_states, with_flat_states
 from dspark_jax.engine.host_pack import HostPack, with_packed_inputs, with_packed_outputs
 from dspark_jax.engine.worker import Worker
+from dspark_jax.logit_processors import LogitProcessors
 from dspark_jax.sampling import sampling_arrays
 from dspark_jax.spec.common.stats import new_round_stats, summarize_rounds
 from dspark_jax.spec.config import SpeculativeConfig
+
+
+class RoundArrays(NamedTuple):
+    """A round's per-request host arrays (DraftWorker.round_arrays)."""
+
+    live: np.ndarray  # [S] bool
+    table: np.ndarray  # [S, P] int32 page tables
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    seed: np.ndarray
+    logit_slot: np.ndarray  # [S] int32 logit-processor rows, -1: none
+    processed: bool  # some request uses logit processors or logprobs: the round runs a processed executable
 
 
 class DraftWorker(Worker):
@@ -57,6 +73,22 @@ class DraftWorker(Worker):
             static += ("out_pack",)
         return jax.jit(fn, donate_argnums=donate, static_argnames=static)
 
+    def lstate(self, processed: bool):
+        """The logit-processor state a step takes: the engine's in a prefill (where the engine
+        has one) or a processed round, else None."""
+        return self.engine.processors.state if processed and self.engine.processors is not None else None
+
+    def keep_lstate(self, lstate) -> None:
+        """Store the state a step returned (donated: the old one is gone)."""
+        if lstate is not None:
+            self.engine.processors.state = lstate
+
+    def processed_variants(self) -> tuple[bool, ...]:
+        """Which round variants compile with the others: processed ones too where the engine
+        precompiles its logit processors."""
+        processors = self.engine.processors
+        return (False, True) if processors is not None and processors.precompile else (False,)
+
     def executable(self, key, lower):
         """The compiled executable for key, lowering and compiling it on first use."""
         if key not in self._compiled:
@@ -70,10 +102,10 @@ class DraftWorker(Worker):
         return self._packs[key]
 
     # -- host inputs ---------------------------------------------------------------------------
-    def round_arrays(self, reqs, S: int):
+    def round_arrays(self, reqs, S: int) -> RoundArrays:
         """Host arrays of a round for reqs padded to S rows: live mask, page tables (as wide as
-        the round's context bucket) and sampling parameters (temperature, top_k, top_p, seed).
-        A serving batch keeps its requests for many rounds: the last batch's arrays are reused."""
+        the round's context bucket), sampling parameters and logit-processor rows.  A serving
+        batch keeps its requests for many rounds: the last batch's arrays are reused."""
         e = self.engine
         bs = len(reqs)
         P = e.page_width(max((r.total_len for r in reqs), default=0) + self.lookahead)
@@ -88,8 +120,9 @@ class DraftWorker(Worker):
                 r.page_row = e.pool.page_table_row(r.id, e.pages_per_seq)
             table[i] = r.page_row[:P]
         temp, top_k, top_p, seed, _ = sampling_arrays([r.params for r in reqs], [r.seed for r in reqs], [0] * bs, S)
-        arrays = (live, table, temp, top_k, top_p, seed)
-        for a in arrays:
+        arrays = RoundArrays(live, table, temp, top_k, top_p, seed, LogitProcessors.slots(reqs, S),
+                             any(r.processed for r in reqs))
+        for a in arrays[:-1]:
             a.flags.writeable = False
         self._last_arrays = (key, arrays)
         return arrays

@@ -13,7 +13,9 @@ target's next token of every anchor, whose row still extends the draft context):
      target's tapped hidden states of the anchor and accepted drafts.
 Only the committed tokens (drafts[:a] + bonus) and small per-request statistics go back to the
 host.  Random keys come per request from (seed, anchor position), so outputs do not depend on
-batch composition.
+batch composition.  A processed round (lstate given: a request in the batch uses logit
+processors or logprobs) verifies against the processed target distribution of each window row
+and returns the committed tokens' raw logprobs (dspark_jax/logit_processors.py).
 
 Feeding: a round also returns each request's next anchor and position (padded to the engine's
 slot count R, so every tier's executable shares one shape) and takes the previous round's as
@@ -33,7 +35,8 @@ from flax import nnx
 
 from dspark_jax.forward_batch import ForwardBatch
 from dspark_jax.kv_cache import KVCache
-from dspark_jax.sampling import sample
+from dspark_jax.logit_processors import LogitState, commit_window, process_window, sample_processed
+from dspark_jax.logprobs import TokenLogprobs, empty_logprobs, logprob_shapes
 from dspark_jax.spec.common.acceptance import target_probs, verify
 from dspark_jax.spec.common.inputs import RoundBatch, round_inputs
 from dspark_jax.spec.common.packing import front_pack, packed_rows, topk_verify_lens, unpack_rows
@@ -66,20 +69,32 @@ class SpecOutputs(NamedTuple):
     block_accept: jax.Array  # [S] drafts full verification would accept (exact in static/cap-accept)
     survival: jax.Array  # [S, gamma] calibrated cumulative survival (for the lag ring and metrics)
     confidence_logits: jax.Array  # [S, gamma] raw z (STS data collection)
+    # raw logprobs of the token committed after each window row ([S, gamma + 1], [S, gamma + 1, K];
+    # zero-size outside processed rounds)
+    logprob: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
     next_anchor: jax.Array  # [R] the bonus token: the next round's anchor (0 past the live rows)
     next_start: jax.Array  # [R] its position: start + accepted + 1
 
     @classmethod
-    def result_shapes(cls, rounds: int, rows: int, gamma: int) -> SpecOutputs:
+    def result_shapes(cls, rounds: int, rows: int, gamma: int, top: int = 0) -> SpecOutputs:
         """Abstract host-read results of a call of ``rounds`` rounds (the fed fields stay on the
-        device: None).  Confidences travel as float32 (exact for bf16)."""
+        device: None); top: the logprob alternatives of a processed round (0: unprocessed).
+        Confidences travel as float32 (exact for bf16)."""
         s, i32, f32, n, S, G = jax.ShapeDtypeStruct, np.int32, np.float32, rounds, rows, gamma
+        lp = logprob_shapes(n, S, width=G + 1 if top else 0, k=top)
         return cls(drafts=s((n, S, G), i32), num_accepted=s((n, S), i32), bonus=s((n, S), i32),
                    verify_lens=s((n, S), i32), block_accept=s((n, S), i32), survival=s((n, S, G), f32),
-                   confidence_logits=s((n, S, G), f32), next_anchor=None, next_start=None)
+                   confidence_logits=s((n, S, G), f32), **lp._asdict(), next_anchor=None, next_start=None)
+
+    @property
+    def logprobs(self) -> TokenLogprobs:
+        return TokenLogprobs(self.logprob, self.top_ids, self.top_logprobs)
 
 
-RESULT_FIELDS = SpecOutputs._fields[:7]  # read by the host; the rest feeds the next round
+FED_OUTPUTS = ("next_anchor", "next_start")  # feed the next round on the device
+RESULT_FIELDS = tuple(f for f in SpecOutputs._fields if f not in FED_OUTPUTS)  # read by the host
 
 
 def _keys(seed, position, stream: int):
@@ -109,10 +124,12 @@ def block_batch(inp: SpecInputs, gamma: int, mask_token: int, page_size: int, dr
 
 
 def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCache, dcache: KVCache,
-              inp: SpecInputs, sts_temperatures, *, mode: str, num_tokens: int, page_size: int, target_options: dict):
-    """One round -> (SpecOutputs, tcache, dcache); inp.budget is this round's [] budget.
+              lstate: LogitState | None, inp: SpecInputs, sts_temperatures, *, mode: str, num_tokens: int,
+              page_size: int, target_options: dict):
+    """One round -> (SpecOutputs, tcache, dcache, lstate); inp.budget is this round's [] budget.
     target_options: the target forward's keyword options (ModelRunner.forward_options); the
-    drafter runs with the same attention backend and unrolls its loops where the target does."""
+    drafter runs with the same attention backend and unrolls its loops where the target does.
+    lstate: the logit-processor state of a processed round (None: unprocessed)."""
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state)
     backend, unroll = target_options["backend"], not target_options["scan_layers"]
@@ -122,7 +139,7 @@ def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCa
     inp = inp.replace(anchor=jnp.where(fed, inp.fed_anchor[row], inp.anchor),
                       start=jnp.where(fed, inp.fed_start[row], inp.start))
     if mode == "decode":
-        return decode_step(target, drafter, tcache, dcache, inp, num_tokens=num_tokens, page_size=page_size,
+        return decode_step(target, drafter, tcache, dcache, lstate, inp, num_tokens=num_tokens, page_size=page_size,
                            target_options=target_options)
 
     # 1. Draft.
@@ -141,15 +158,19 @@ def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCa
     fb = front_pack(inp.anchor, bs.tokens, verify_lens, inp.start, inp.page_table, inp.num_seqs,
                     num_tokens=num_tokens, page_size=page_size)
     out = target(tcache, fb, tap_layers=cfg.target_layer_ids, **target_options)
-    logits = unpack_rows(out.logits, verify_lens, G + 1)
     req, within, valid = packed_rows(verify_lens, num_tokens)
+    # Each row's processed distribution (processed rounds; else the raw logits).
+    verified = process_window(out.logits, lstate, inp.logit_slot, inp.start, bs.tokens, verify_lens, num_tokens)
+    logits = unpack_rows(verified, verify_lens, G + 1)
 
     # 4. Accept.  The target's filtered distribution is computed on the packed rows (its
     # vocabulary sort then costs what the tier verifies, not the full block of every request).
-    probs = unpack_rows(target_probs(out.logits, inp.temperature[req], inp.top_k[req], inp.top_p[req]),
+    probs = unpack_rows(target_probs(verified, inp.temperature[req], inp.top_k[req], inp.top_p[req]),
                         verify_lens, G + 1)
     acc = verify(logits, bs.tokens, bs.logits, jnp.maximum(verify_lens, 1), inp.temperature, inp.top_k, inp.top_p,
                  _keys(inp.seed, inp.start, 2), commit_cap=window if mode == "cap-accept" else None, probs=probs)
+    lp, lstate = commit_window(lstate, inp.logit_slot, inp.live, out.logits, verify_lens, bs.tokens,
+                               acc.num_accepted, acc.bonus)
 
     # 5. Rows anchor..a of each request become draft context (their target hidden states).
     keep = valid & (within <= acc.num_accepted[req])
@@ -157,54 +178,61 @@ def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCa
     dcache = drafter.extend_context(dcache, out.taps, fb.positions, ctx_slots, unroll=unroll)
     pad = lambda x: jnp.zeros(inp.fed_anchor.shape, jnp.int32).at[:S].set(jnp.where(inp.live, x, 0).astype(jnp.int32))
     res = SpecOutputs(bs.tokens, acc.num_accepted, acc.bonus, verify_lens, acc.block_accept, survival, bs.confidence,
-                      pad(acc.bonus), pad(inp.start + acc.num_accepted + 1))
-    return res, out.cache, dcache
+                      *lp, pad(acc.bonus), pad(inp.start + acc.num_accepted + 1))
+    return res, out.cache, dcache, lstate
 
 
-def decode_step(target, drafter, tcache: KVCache, dcache: KVCache, inp: SpecInputs, *, num_tokens: int,
-                page_size: int, target_options: dict):
+def decode_step(target, drafter, tcache: KVCache, dcache: KVCache, lstate: LogitState | None, inp: SpecInputs, *,
+                num_tokens: int, page_size: int, target_options: dict):
     """A plain decode step in a DSpark round's place: each anchor alone through the target (its
     row becomes draft context), the next token sampled as the plain engine samples it (key of
-    the sampled position), nothing drafted.  Same inputs and outputs as spec_step."""
+    the sampled position; processed as its processed steps process it), nothing drafted.  Same
+    inputs and outputs as spec_step."""
     G, S = drafter.config.block_size, inp.anchor.shape[0]
     ones = jnp.where(inp.live, 1, 0).astype(jnp.int32)
     fb = front_pack(inp.anchor, jnp.zeros((S, G), jnp.int32), ones, inp.start, inp.page_table, inp.num_seqs,
                     num_tokens=num_tokens, page_size=page_size)
     out = target(tcache, fb, tap_layers=drafter.config.target_layer_ids, **target_options)
-    token = sample(out.logits[:S], inp.temperature, inp.top_k, inp.top_p, inp.seed, inp.start + 1)
+    token, lp, lstate = sample_processed(out.logits[:S], (inp.temperature, inp.top_k, inp.top_p, inp.seed, inp.start + 1),
+                                         lstate, jnp.where(inp.live, inp.logit_slot, -1))
+    # logprobs of the one committed token at window row 0 (none in an unprocessed round)
+    lp = empty_logprobs(S) if lp is None else TokenLogprobs(*(
+        jnp.zeros((S, G + 1, *x.shape[1:]), x.dtype).at[:, 0].set(x) for x in lp))
     _, _, valid = packed_rows(ones, num_tokens)
     dcache = drafter.extend_context(dcache, out.taps, fb.positions, jnp.where(valid, fb.slot_mapping, dcache.drop_slot),
                                     unroll=not target_options["scan_layers"])
     zeros = jnp.zeros((S,), jnp.int32)
     pad = lambda x: jnp.zeros(inp.fed_anchor.shape, jnp.int32).at[:S].set(jnp.where(inp.live, x, 0).astype(jnp.int32))
     res = SpecOutputs(jnp.zeros((S, G), jnp.int32), zeros, token, ones, zeros, jnp.zeros((S, G), jnp.float32),
-                      jnp.zeros((S, G), jnp.float32), pad(token), pad(inp.start + 1))
-    return res, out.cache, dcache
+                      jnp.zeros((S, G), jnp.float32), *lp, pad(token), pad(inp.start + 1))
+    return res, out.cache, dcache, lstate
 
 
 def spec_rounds(target_def, drafter_def, target_state, drafter_state, tcache: KVCache, dcache: KVCache,
-                inp: SpecInputs, sts_temperatures, **options):
+                lstate: LogitState | None, inp: SpecInputs, sts_temperatures, **options):
     """len(inp.budget) consecutive rounds; round j > 0 starts every live request from round
     j - 1's next anchor and position (on the device), so the host sees only the first round's
     inputs and all the rounds' results.  Returns (SpecOutputs with a leading [rounds] axis on
-    every host field and the last round's next anchors and positions; tcache; dcache)."""
+    every host field and the last round's next anchors and positions; tcache; dcache; lstate)."""
     S = inp.anchor.shape[0]
     chained = jnp.where(inp.live, jnp.arange(S, dtype=jnp.int32), -1)
     outs, step_inp = [], inp
     for j in range(inp.budget.shape[0]):
         step_inp = step_inp.replace(budget=inp.budget[j])
-        out, tcache, dcache = spec_step(target_def, drafter_def, target_state, drafter_state, tcache, dcache,
-                                        step_inp, sts_temperatures, **options)
+        out, tcache, dcache, lstate = spec_step(target_def, drafter_def, target_state, drafter_state, tcache, dcache,
+                                                lstate, step_inp, sts_temperatures, **options)
         outs.append(out)
         step_inp = step_inp.replace(fed_anchor=out.next_anchor, fed_start=out.next_start, fed_index=chained)
     stacked = SpecOutputs(*(jnp.stack([getattr(o, f) for o in outs]) for f in RESULT_FIELDS),
                           outs[-1].next_anchor, outs[-1].next_start)
-    return stacked, tcache, dcache
+    return stacked, tcache, dcache, lstate
 
 
 def prefill_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCache, dcache: KVCache,
-                 batch: ForwardBatch, sampling, *, target_options: dict):
-    """Target prefill with taps; the prompt rows become draft context; the first token is sampled."""
+                 lstate: LogitState | None, batch: ForwardBatch, sampling, *, target_options: dict):
+    """Target prefill with taps; the prompt rows become draft context; the first token is sampled
+    (processed, with its logprobs, where the engine runs logit processors: sampling then ends
+    with the rows' logit slots) -> (tokens, logprobs, tcache, dcache, lstate)."""
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state)
     out = target(tcache, batch, tap_layers=drafter.config.target_layer_ids, **target_options)
@@ -212,4 +240,5 @@ def prefill_step(target_def, drafter_def, target_state, drafter_state, tcache: K
     ctx_slots = jnp.where(batch.slot_mapping >= dcache.page_size, batch.slot_mapping, dcache.drop_slot)
     dcache = drafter.extend_context(dcache, out.taps, batch.positions, ctx_slots,
                                     unroll=not target_options["scan_layers"])
-    return sample(out.logits, *sampling), out.cache, dcache
+    tokens, lp, lstate = sample_processed(out.logits, sampling[:5], lstate, sampling[5] if lstate is not None else None)
+    return tokens, lp, out.cache, dcache, lstate

@@ -30,16 +30,24 @@ from dspark_jax.calibration.metrics import ConfidenceMetricsAccumulator
 from dspark_jax.calibration.sts import StsCalibration
 from dspark_jax.engine.model_runner import abstract
 from dspark_jax.engine.request import Request, Status
-from dspark_jax.engine.worker import prefill_batch, prefill_shapes
+from dspark_jax.engine.worker import prefill_batch, prefill_sampling_struct, prefill_shapes
 from dspark_jax.forward_batch import shape_struct
 from dspark_jax.kv_cache import KVCache
-from dspark_jax.sampling import sampling_struct
+from dspark_jax.logprobs import top_width
 from dspark_jax.spec.common.stats import commit_rounds
 from dspark_jax.spec.common.tiers import TokenTiers
 from dspark_jax.spec.common.worker import DraftWorker
 from dspark_jax.spec.dspark.planner import RoundPlan, plan_call
 from dspark_jax.spec.dspark.scheduler import BudgetDecision, ConfidenceScheduler
-from dspark_jax.spec.dspark.step import FED_FIELDS, RESULT_FIELDS, SpecInputs, SpecOutputs, prefill_step, spec_rounds
+from dspark_jax.spec.dspark.step import (
+    FED_FIELDS,
+    FED_OUTPUTS,
+    RESULT_FIELDS,
+    SpecInputs,
+    SpecOutputs,
+    prefill_step,
+    spec_rounds,
+)
 
 
 @dataclasses.dataclass
@@ -55,6 +63,7 @@ class _Call:
     generations: np.ndarray
     dispatched_at: float
     overlapped: bool  # dispatched while another call was in flight
+    processed: bool = False  # ran the processed executable (its results carry logprobs)
 
 
 class DSparkWorker(DraftWorker):
@@ -96,11 +105,11 @@ class DSparkWorker(DraftWorker):
         runner = engine.runner
         self._prefill_jit = self.jit_step(functools.partial(
             prefill_step, runner.graphdef, self.drafter_def, target_options=runner.forward_options(True)),
-            donate=(2, 3))
+            donate=(2, 3, 4))
         self._round_jit = {mode: self.jit_step(functools.partial(
             spec_rounds, runner.graphdef, self.drafter_def, mode=mode, page_size=engine.pool.page_size,
             target_options=runner.forward_options(False)),
-            donate=(2, 3), packed_input=4, packed_output=True, static=("num_tokens",))
+            donate=(2, 3, 4), packed_input=5, packed_output=True, static=("num_tokens",))
             for mode in ("static", "compact", "cap-accept", "decode")}
         R = engine.ec.max_running_requests
         self._no_feed = (jnp.zeros((R,), jnp.int32), jnp.zeros((R,), jnp.int32))
@@ -156,40 +165,45 @@ class DSparkWorker(DraftWorker):
             shapes += [("decode", T) for T in e.decode_buckets]
         for mode, T in shapes:
             S = min(T, e.ec.max_running_requests)
-            out += [(f"dspark {mode} round tokens={T} rows={S} pages={P}",
-                     functools.partial(self._round_executable, mode, T, S, P)) for P in e.page_widths]
+            out += [(f"dspark {mode} round tokens={T} rows={S} pages={P}{' processed' if processed else ''}",
+                     functools.partial(self._round_executable, mode, T, S, P, processed))
+                    for P in e.page_widths for processed in self.processed_variants()]
         return out
 
     def _prefill_executable(self, T: int, S: int):
         e = self.engine
         lower = lambda: self._prefill_jit.lower(
             abstract(e.runner.state), abstract(self.drafter_state), abstract(e.runner.cache), abstract(self.dcache),
-            shape_struct(T, S, e.pages_per_seq, S), sampling_struct(S))
+            abstract(self.lstate(True)), shape_struct(T, S, e.pages_per_seq, S), prefill_sampling_struct(e, S))
         return self.executable(("prefill", T, S), lower)
 
     def _input_pack(self, S: int, P: int):
         shapes = SpecInputs.shapes(S, P, self.engine.ec.max_running_requests, self.rounds)
         return self.pack(("inputs", S, P), shapes, FED_FIELDS)
 
-    def _result_pack(self, S: int):
-        return self.pack(("results", S), SpecOutputs.result_shapes(self.rounds, S, self.gamma),
-                         tuple(f for f in SpecOutputs._fields if f not in RESULT_FIELDS))
+    def _result_pack(self, S: int, processed: bool = False):
+        top = top_width(self.engine.config.vocab_size) if processed else 0
+        return self.pack(("results", S, processed), SpecOutputs.result_shapes(self.rounds, S, self.gamma, top),
+                         FED_OUTPUTS)
 
-    def _round_executable(self, mode: str, T: int, S: int, P: int):
+    def _round_executable(self, mode: str, T: int, S: int, P: int, processed: bool = False):
+        """processed: the variant with logit processors and logprobs (dspark_jax/logit_processors.py)."""
         e, pack = self.engine, self._input_pack(S, P)
         lower = lambda: self._round_jit[mode].lower(
             abstract(e.runner.state), abstract(self.drafter_state), abstract(e.runner.cache), abstract(self.dcache),
-            pack.spec(), abstract(self._no_feed), abstract(self.sts_temperatures), num_tokens=T, pack=pack,
-            out_pack=self._result_pack(S))
-        return self.executable(("round", mode, T, S, P), lower)
+            abstract(self.lstate(processed)), pack.spec(), abstract(self._no_feed), abstract(self.sts_temperatures),
+            num_tokens=T, pack=pack, out_pack=self._result_pack(S, processed))
+        return self.executable(("round", mode, T, S, P, processed), lower)
 
     # -- steps ---------------------------------------------------------------------------------
     def prefill(self, chunks):
         batch, samp = prefill_batch(self.engine, chunks)
         runner = self.engine.runner
         fn = self._prefill_executable(batch.input_ids.shape[0], batch.page_table.shape[0])
-        tokens, runner.cache, self.dcache = fn(runner.state, self.drafter_state, runner.cache, self.dcache, batch, samp)
-        return tokens
+        tokens, lp, runner.cache, self.dcache, lstate = fn(runner.state, self.drafter_state, runner.cache, self.dcache,
+                                                           self.lstate(True), batch, samp)
+        self.keep_lstate(lstate)
+        return tokens, lp
 
     def feeds(self, prev, reqs):
         return True  # row by row: a request the previous call did not hold starts from the host
@@ -223,7 +237,7 @@ class DSparkWorker(DraftWorker):
                          max_rows=self.engine.ec.max_running_requests, fill_tier=self._trims,
                          price=self.scheduler.price if self._trims else None)
         S = plan.rows
-        live, table, temp, top_k, top_p, seed = self.round_arrays(reqs, S)
+        arrays = self.round_arrays(reqs, S)
         fed_index = np.full(S, -1, np.int32)
         if prev is not None and prev.reqs == reqs:  # the same batch as the call in flight: fed row by row
             fed_index[:bs] = np.arange(bs, dtype=np.int32)
@@ -236,22 +250,25 @@ class DSparkWorker(DraftWorker):
             anchor[host] = [reqs[i].output_ids[-1] for i in host]
             start[host] = [reqs[i].total_len - 1 for i in host]
         fed = (prev.next_anchor, prev.next_start) if prev is not None else self._no_feed
-        inp = SpecInputs(anchor=anchor, start=start, page_table=table, live=live, num_seqs=np.int32(bs),
-                         budget=np.asarray(plan.budgets, np.int32), temperature=temp, top_k=top_k, top_p=top_p,
-                         seed=seed, fed_anchor=fed[0], fed_start=fed[1], fed_index=fed_index)
-        P = table.shape[1]
-        fn = self._round_executable(plan.mode, plan.tier, S, P)  # compiled before the clock starts
+        inp = SpecInputs(anchor=anchor, start=start, page_table=arrays.table, live=arrays.live, num_seqs=np.int32(bs),
+                         budget=np.asarray(plan.budgets, np.int32), temperature=arrays.temperature,
+                         top_k=arrays.top_k, top_p=arrays.top_p, seed=arrays.seed, logit_slot=arrays.logit_slot,
+                         fed_anchor=fed[0], fed_start=fed[1], fed_index=fed_index)
+        P, processed = arrays.table.shape[1], arrays.processed
+        fn = self._round_executable(plan.mode, plan.tier, S, P, processed)  # compiled before the clock starts
         runner, pack = self.engine.runner, self._input_pack(S, P)
         t0 = time.perf_counter()
-        results, (next_anchor, next_start), runner.cache, self.dcache = fn(
-            runner.state, self.drafter_state, runner.cache, self.dcache, pack.pack(inp), pack.device(inp),
-            self.sts_temperatures)
+        results, (next_anchor, next_start), runner.cache, self.dcache, lstate = fn(
+            runner.state, self.drafter_state, runner.cache, self.dcache, self.lstate(processed), pack.pack(inp),
+            pack.device(inp), self.sts_temperatures)
+        self.keep_lstate(lstate)
         results.copy_to_host_async()
-        return _Call(reqs, results, next_anchor, next_start, plan, step, slots, generations, t0, prev is not None)
+        return _Call(reqs, results, next_anchor, next_start, plan, step, slots, generations, t0, prev is not None,
+                     processed)
 
     def read(self, call: _Call):
         """Read a dispatched call (the one host sync per call) and commit its rounds in order."""
-        stacked = self._result_pack(call.plan.rows).unpack_host(jax.device_get(call.results))
+        stacked = self._result_pack(call.plan.rows, call.processed).unpack_host(jax.device_get(call.results))
         now = time.perf_counter()
         measured = round_seconds(call.dispatched_at, self._last_read_at, now, self.engine.runner.take_compile_spans(),
                                  self.rounds)
@@ -281,7 +298,7 @@ class DSparkWorker(DraftWorker):
             self.scheduler.observe(call.step + j, out.survival[:bs], call.generations, slots=call.slots)
         self.stats["rounds"] += 1
         done = commit_rounds(self.stats, call.reqs, out.drafts, out.num_accepted, out.bonus, out.verify_lens,
-                             out.block_accept)
+                             out.block_accept, out.logprobs if call.processed else None)
         if self._recorder is not None and drafted:  # after the commit: a row knows whether its request ended here
             final = np.array([r.status is Status.FINISHED for r in call.reqs])[alive]
             self._recorder.add(out.confidence_logits[:bs][alive], out.block_accept[:bs][alive], final)
@@ -314,6 +331,7 @@ class DSparkWorker(DraftWorker):
                              num_seqs=np.int32(batch_size), budget=np.full(self.rounds, budget or 0, np.int32),
                              temperature=row(temperature, 0, np.float32), top_k=row(top_k, 0, np.int32),
                              top_p=row(top_p, 1, np.float32), seed=np.arange(S, dtype=np.uint32),
+                             logit_slot=np.full(S, -1, np.int32),
                              fed_anchor=self._no_feed[0], fed_start=self._no_feed[1],
                              fed_index=np.full(S, -1, np.int32))
             fn, pack, runner = self._round_executable(mode, T, S, P), self._input_pack(S, P), e.runner
@@ -321,9 +339,9 @@ class DSparkWorker(DraftWorker):
             def chain(n: int) -> float:  # n calls back to back, as the overlapped loop dispatches them
                 t0 = time.perf_counter()
                 for _ in range(n):
-                    results, _, runner.cache, self.dcache = fn(runner.state, self.drafter_state, runner.cache,
-                                                               self.dcache, packed, pack.device(inp),
-                                                               self.sts_temperatures)
+                    results, _, runner.cache, self.dcache, _ = fn(runner.state, self.drafter_state, runner.cache,
+                                                                  self.dcache, None, packed, pack.device(inp),
+                                                                  self.sts_temperatures)
                 jax.block_until_ready(results)
                 return (time.perf_counter() - t0) / n
 

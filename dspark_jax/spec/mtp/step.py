@@ -25,7 +25,9 @@ mtp_spec_step, one round for a batch of requests:
   -> accept (dspark_jax/spec/common/acceptance.verify: exact match at T = 0, speculative sampling
      with the chain's logits as q at T > 0)
   -> carry the kept rows' hidden states and next ids for the next round.
-Only the drafts, the accept counts and the bonus go back to the host.
+Only the drafts, the accept counts and the bonus go back to the host.  A processed round (lstate
+given) verifies against each row's processed target distribution and also returns the
+committed tokens' raw logprobs (dspark_jax/logit_processors.py).
 
 Random keys are derived per request from (seed, anchor position), so outputs do not depend on
 batch composition.
@@ -42,7 +44,8 @@ from flax import nnx
 
 from dspark_jax.forward_batch import ForwardBatch
 from dspark_jax.kv_cache import KVCache
-from dspark_jax.sampling import sample
+from dspark_jax.logit_processors import LogitState, commit_window, process_window, sample_processed
+from dspark_jax.logprobs import TokenLogprobs, logprob_shapes
 from dspark_jax.spec.common.acceptance import verify
 from dspark_jax.spec.common.inputs import RoundBatch, round_inputs
 from dspark_jax.spec.common.packing import front_pack, packed_rows, unpack_rows
@@ -80,6 +83,23 @@ class MTPOutputs(NamedTuple):
     bonus: jax.Array  # [S]
     verify_lens: jax.Array  # [S] rows verified (anchor included): k + 1
     block_accept: jax.Array  # [S] drafts accepted (= num_accepted: a chain verifies everything)
+    # raw logprobs of the token committed after each row ([S, k + 1], [S, k + 1, K]; zero-size
+    # outside processed rounds)
+    logprob: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+
+    @classmethod
+    def result_shapes(cls, rows: int, k: int, top: int = 0) -> MTPOutputs:
+        """Abstract results of a round (top: the logprob alternatives of a processed round, else 0)."""
+        s, i32, S = jax.ShapeDtypeStruct, np.int32, rows
+        lp = logprob_shapes(S, width=k + 1 if top else 0, k=top)
+        return cls(drafts=s((S, k), i32), num_accepted=s((S,), i32), bonus=s((S,), i32), verify_lens=s((S,), i32),
+                   block_accept=s((S,), i32), **lp._asdict())
+
+    @property
+    def logprobs(self) -> TokenLogprobs:
+        return TokenLogprobs(self.logprob, self.top_ids, self.top_logprobs)
 
 
 def _verify_keys(seed, position):
@@ -123,8 +143,10 @@ def extend_batch(pending: Pending, inp: MTPInputs, *, num_tokens: int, page_size
 
 
 def mtp_spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCache, dcache: KVCache,
-                  pending: Pending, inp: MTPInputs, *, num_tokens: int, page_size: int, target_options: dict):
-    """One round -> (MTPOutputs, tcache, dcache, pending).  The caches and Pending are donated.
+                  pending: Pending, lstate: LogitState | None, inp: MTPInputs, *, num_tokens: int, page_size: int,
+                  target_options: dict):
+    """One round -> (MTPOutputs, tcache, dcache, pending, lstate).  The caches, Pending and the
+    logit-processor state (a processed round's; else None) are donated.
     target_options: the target forward's keyword options (ModelRunner.forward_options); the
     drafter runs with the same attention backend and unrolls its loops where the target does.
 
@@ -145,11 +167,15 @@ def mtp_spec_step(target_def, drafter_def, target_state, drafter_state, tcache: 
     fb = front_pack(inp.anchor, chain.tokens, verify_lens, inp.start, inp.page_table, inp.num_seqs,
                     num_tokens=num_tokens, page_size=page_size)
     out = target(tcache, fb, **target_options)
-    logits = unpack_rows(out.logits, verify_lens, W)
+    # Each row's processed distribution (processed rounds; else the raw logits).
+    verified = process_window(out.logits, lstate, inp.logit_slot, inp.start, chain.tokens, verify_lens, num_tokens)
+    logits = unpack_rows(verified, verify_lens, W)
 
     # 3. Accept.
     acc = verify(logits, chain.tokens, chain.logits, jnp.maximum(verify_lens, 1), inp.temperature, inp.top_k,
                  inp.top_p, _verify_keys(inp.seed, inp.start))
+    lp, lstate = commit_window(lstate, inp.logit_slot, inp.live, out.logits, verify_lens, chain.tokens,
+                               acc.num_accepted, acc.bonus)
 
     # 4. Carry the kept rows (anchor + accepted drafts), paired with the accepted drafts and the bonus.
     a = acc.num_accepted
@@ -160,12 +186,13 @@ def mtp_spec_step(target_def, drafter_def, target_state, drafter_state, tcache: 
     pending = Pending(pending.hidden.at[idx].set(kept_h, mode="drop"),
                       pending.next_ids.at[idx].set(kept_next, mode="drop"),
                       pending.count.at[idx].set(a + 1, mode="drop"))
-    res = MTPOutputs(chain.tokens, a, acc.bonus, verify_lens, acc.block_accept)
-    return res, out.cache, dcache, pending
+    res = MTPOutputs(chain.tokens, a, acc.bonus, verify_lens, acc.block_accept, *lp)
+    return res, out.cache, dcache, pending, lstate
 
 
 def mtp_prefill_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCache, dcache: KVCache,
-                     pending: Pending, batch: ForwardBatch, sampling, next_ids, final_slot, *, target_options: dict):
+                     pending: Pending, lstate: LogitState | None, batch: ForwardBatch, sampling, next_ids, final_slot,
+                     *, target_options: dict):
     """Target prefill of prompt chunks + drafter extend; the first token is sampled.
 
     next_ids [T]: the prompt token after each row (the host knows it, except after the last row
@@ -173,11 +200,13 @@ def mtp_prefill_step(target_def, drafter_def, target_state, drafter_state, tcach
     whose prompt this chunk completes, -1 otherwise.  Every row goes into the drafter cache,
     a completed prompt's last row paired with the sampled token; that row is also carried in
     Pending, because the first round needs the drafter's output on it (the round's extend
-    writes the same K/V again).  -> (tokens [S], tcache, dcache, pending)."""
+    writes the same K/V again).  The token is processed, with its logprobs, where the engine runs
+    logit processors (lstate given; sampling then ends with the rows' logit slots).
+    -> (tokens [S], logprobs, tcache, dcache, pending, lstate)."""
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state)
     out = target(tcache, batch, **target_options)
-    tokens = sample(out.logits, *sampling)
+    tokens, lp, lstate = sample_processed(out.logits, sampling[:5], lstate, sampling[5] if lstate is not None else None)
     T, num_slots = batch.input_ids.shape[0], pending.count.shape[0]
     final = final_slot >= 0
     last = batch.logits_indices  # the last row of each sequence
@@ -188,4 +217,4 @@ def mtp_prefill_step(target_def, drafter_def, target_state, drafter_state, tcach
     pending = Pending(pending.hidden.at[idx, 0].set(out.hidden[last].astype(pending.hidden.dtype), mode="drop"),
                       pending.next_ids.at[idx, 0].set(tokens, mode="drop"),
                       pending.count.at[idx].set(1, mode="drop"))
-    return tokens, out.cache, dcache, pending
+    return tokens, lp, out.cache, dcache, pending, lstate

@@ -20,9 +20,9 @@ import numpy as np
 
 from dspark_jax.engine.model_runner import abstract
 from dspark_jax.engine.request import Request
-from dspark_jax.engine.worker import prefill_batch, prefill_shapes
+from dspark_jax.engine.worker import prefill_batch, prefill_sampling_struct, prefill_shapes
 from dspark_jax.forward_batch import shape_struct
-from dspark_jax.sampling import sampling_struct
+from dspark_jax.logprobs import top_width
 from dspark_jax.spec.common.stats import commit_rounds
 from dspark_jax.spec.common.tiers import TokenTiers
 from dspark_jax.spec.common.worker import DraftWorker
@@ -35,6 +35,7 @@ class _Round:
     reqs: list[Request]
     results: jax.Array
     rows: int
+    processed: bool = False  # ran the processed executable (its results carry logprobs)
 
 
 class MTPWorker(DraftWorker):
@@ -61,11 +62,11 @@ class MTPWorker(DraftWorker):
         self.pending = allocate_pending(engine.ec.max_running_requests, k, engine.config.hidden_size, runner.dtype)
         self._prefill_jit = self.jit_step(functools.partial(
             mtp_prefill_step, runner.graphdef, self.drafter_def, target_options=runner.forward_options(True)),
-            donate=(2, 3, 4))
+            donate=(2, 3, 4, 5))
         self._round_jit = self.jit_step(functools.partial(
             mtp_spec_step, runner.graphdef, self.drafter_def, page_size=engine.pool.page_size,
             target_options=runner.forward_options(False)),
-            donate=(2, 3, 4), packed_input=5, packed_output=True, static=("num_tokens",))
+            donate=(2, 3, 4, 5), packed_input=6, packed_output=True, static=("num_tokens",))
         self.new_stats()
 
     # -- compilation ---------------------------------------------------------------------------
@@ -80,8 +81,9 @@ class MTPWorker(DraftWorker):
                for T, S in prefill_shapes(e)]
         for b in e.decode_buckets:
             T, S = self._round_shape(b)
-            out += [(f"mtp round tokens={T} rows={S} pages={P}", functools.partial(self._round_executable, T, S, P))
-                    for P in e.page_widths]
+            out += [(f"mtp round tokens={T} rows={S} pages={P}{' processed' if processed else ''}",
+                     functools.partial(self._round_executable, T, S, P, processed))
+                    for P in e.page_widths for processed in self.processed_variants()]
         return out
 
     def _caches(self):
@@ -91,23 +93,24 @@ class MTPWorker(DraftWorker):
         e = self.engine
         lower = lambda: self._prefill_jit.lower(
             abstract(e.runner.state), abstract(self.drafter_state), *abstract(self._caches()),
-            shape_struct(T, S, e.pages_per_seq, S), sampling_struct(S), jax.ShapeDtypeStruct((T,), np.int32),
+            abstract(self.lstate(True)), shape_struct(T, S, e.pages_per_seq, S), prefill_sampling_struct(e, S),
+            jax.ShapeDtypeStruct((T,), np.int32),
             jax.ShapeDtypeStruct((S,), np.int32))
         return self.executable(("prefill", T, S), lower)
 
-    def _results_pack(self, S: int):
-        s, i32, k = jax.ShapeDtypeStruct, np.int32, self.num_steps
-        return self.pack(("results", S), MTPOutputs(drafts=s((S, k), i32), num_accepted=s((S,), i32),
-                                                    bonus=s((S,), i32), verify_lens=s((S,), i32),
-                                                    block_accept=s((S,), i32)))
+    def _results_pack(self, S: int, processed: bool = False):
+        top = top_width(self.engine.config.vocab_size) if processed else 0
+        return self.pack(("results", S, processed), MTPOutputs.result_shapes(S, self.num_steps, top))
 
-    def _round_executable(self, T: int, S: int, P: int):
+    def _round_executable(self, T: int, S: int, P: int, processed: bool = False):
+        """processed: the variant with logit processors and logprobs (dspark_jax/logit_processors.py)."""
         e = self.engine
         pack = self.pack(("inputs", S, P), MTPInputs.shapes(S, P))
         lower = lambda: self._round_jit.lower(
-            abstract(e.runner.state), abstract(self.drafter_state), *abstract(self._caches()), pack.spec(), (),
-            num_tokens=T, pack=pack, out_pack=self._results_pack(S))
-        return self.executable(("round", T, S, P), lower)
+            abstract(e.runner.state), abstract(self.drafter_state), *abstract(self._caches()),
+            abstract(self.lstate(processed)), pack.spec(), (), num_tokens=T, pack=pack,
+            out_pack=self._results_pack(S, processed))
+        return self.executable(("round", T, S, P, processed), lower)
 
     # -- steps ---------------------------------------------------------------------------------
     def prefill(self, chunks):
@@ -123,29 +126,33 @@ class MTPWorker(DraftWorker):
                 final_slot[i] = r.slot
             t += n
         runner = self.engine.runner
-        tokens, runner.cache, self.dcache, self.pending = self._prefill_executable(T, S)(
-            runner.state, self.drafter_state, *self._caches(), batch, samp, next_ids, final_slot)
-        return tokens
+        tokens, lp, runner.cache, self.dcache, self.pending, lstate = self._prefill_executable(T, S)(
+            runner.state, self.drafter_state, *self._caches(), self.lstate(True), batch, samp, next_ids, final_slot)
+        self.keep_lstate(lstate)
+        return tokens, lp
 
     def dispatch(self, reqs, prev):
         bs = len(reqs)
         T, S = self._round_shape(bs)
-        live, table, temp, top_k, top_p, seed = self.round_arrays(reqs, S)
+        a = self.round_arrays(reqs, S)
         column = lambda values: np.concatenate([np.asarray(values, np.int32), np.zeros(S - bs, np.int32)])
         inp = MTPInputs(anchor=column([r.output_ids[-1] for r in reqs]), start=column([r.total_len - 1 for r in reqs]),
-                        page_table=table, live=live, num_seqs=np.int32(bs), slot=column([r.slot for r in reqs]),
-                        temperature=temp, top_k=top_k, top_p=top_p, seed=seed)
-        P = table.shape[1]
+                        page_table=a.table, live=a.live, num_seqs=np.int32(bs), slot=column([r.slot for r in reqs]),
+                        temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
+                        logit_slot=a.logit_slot)
+        P = a.table.shape[1]
         runner = self.engine.runner
-        results, _, runner.cache, self.dcache, self.pending = self._round_executable(T, S, P)(
-            runner.state, self.drafter_state, *self._caches(), self.pack(("inputs", S, P), inp).pack(inp), ())
-        return _Round(reqs, results, S)
+        results, _, runner.cache, self.dcache, self.pending, lstate = self._round_executable(T, S, P, a.processed)(
+            runner.state, self.drafter_state, *self._caches(), self.lstate(a.processed),
+            self.pack(("inputs", S, P), inp).pack(inp), ())
+        self.keep_lstate(lstate)
+        return _Round(reqs, results, S, a.processed)
 
     def read(self, rnd: _Round):
-        out = self._results_pack(rnd.rows).unpack_host(jax.device_get(rnd.results))
+        out = self._results_pack(rnd.rows, rnd.processed).unpack_host(jax.device_get(rnd.results))
         self.stats["rounds"] += 1
         done = commit_rounds(self.stats, rnd.reqs, out.drafts, out.num_accepted, out.bonus, out.verify_lens,
-                             out.block_accept)
+                             out.block_accept, out.logprobs if rnd.processed else None)
         return [(r, committed) for r, _, committed in done]
 
     def summary(self) -> dict:
