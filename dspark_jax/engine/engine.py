@@ -36,6 +36,7 @@ from dspark_jax.errors import InvalidRequestError
 from dspark_jax.kv_cache import allocate_kv_cache, kv_bytes_per_token
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
 from dspark_jax.page_pool import PagePool
+from dspark_jax.parallel.runtime import Parallel
 from dspark_jax.sampling import SamplingParams
 from dspark_jax.tokenizer import Tokenizer
 
@@ -83,11 +84,14 @@ def compile_engines(engines) -> float:
 
 class Engine:
     def __init__(self, model: Qwen3ForCausalLM, tokenizer: Tokenizer | None, config: EngineConfig | None = None, *,
-                 drafter=None, spec=None, worker: Worker | None = None):
+                 drafter=None, spec=None, worker: Worker | None = None, devices=None):
         """drafter: a DSparkDrafter or MTPDrafter beside the target (spec: its SpeculativeConfig);
-        worker: an already built worker instead."""
+        worker: an already built worker instead; devices: the ec.tp_size devices this engine runs
+        on (default: the first tp_size devices)."""
         self.ec = ec = config or EngineConfig()
         ec.validate()
+        self.parallel = Parallel(ec.tp_size, devices)
+        self.parallel.check(model.config, "target")
         self.worker = worker or make_worker(drafter, spec)
         self.config: Qwen3Config = model.config
         self.tokenizer = tokenizer
@@ -99,8 +103,11 @@ class Engine:
         self.pool = PagePool(ec.num_pages or self._default_num_pages(model), ec.page_size)
         enable_compilation_cache(ec.compile_cache_dir)
         unroll = ec.unroll_decode if ec.unroll_decode is not None else jax.default_backend() == "gpu"
-        self.runner = ModelRunner(model, allocate_kv_cache(self.config, self.pool.num_pages, ec.page_size, model.dtype),
-                                  kernels=ec.kernels, unroll=unroll)
+        par = self.parallel
+        cache = (allocate_kv_cache(self.config, self.pool.num_pages, ec.page_size, model.dtype) if par.default else
+                 par.allocate_kv(self.config.num_hidden_layers, self.pool.num_pages, ec.page_size,
+                                 self.config.num_key_value_heads, self.config.head_dim, model.dtype))
+        self.runner = ModelRunner(model, cache, kernels=ec.kernels, unroll=unroll, parallel=par)
         self.prefill_seqs = min(ec.max_prefill_seqs, ec.max_running_requests)
         self.decode_buckets = batch_ladder(ec.max_running_requests)
         self.prefill_buckets = batch_ladder(ec.max_prefill_tokens, start=min(16, ec.max_prefill_tokens))
@@ -120,7 +127,7 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None, spec=None, *,
-                        draft_path: str | Path | None = None, **overrides) -> Engine:
+                        draft_path: str | Path | None = None, devices=None, **overrides) -> Engine:
         """A Hugging Face Qwen3 folder, and with ``draft_path`` a drafter folder (DSpark or MTP,
         as ``spec.algorithm`` says; a DSpark drafter's own sts.json calibrates its confidences
         unless ``spec.sts`` is given or STS data is being recorded)."""
@@ -134,16 +141,17 @@ class Engine:
             drafter, spec = load_drafter_for(tcfg, model, draft_path, spec)
         elif spec is not None:
             raise ValueError("a speculative config needs draft_path")
-        return cls(model, Tokenizer.from_folder(path), ec, drafter=drafter, spec=spec)
+        return cls(model, Tokenizer.from_folder(path), ec, drafter=drafter, spec=spec, devices=devices)
 
     # -- sizing and compilation --------------------------------------------------------------
     def _default_num_pages(self, model) -> int:
         want = self.ec.max_running_requests * self.pages_per_seq + 1
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = self.parallel.device.memory_stats() or {}
         if "bytes_limit" not in stats:
             return want
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         per_token = kv_bytes_per_token(self.config, model.dtype) + self.worker.kv_bytes_per_token(model.dtype)
+        per_token = max(1, int(per_token * self.parallel.kv_bytes_fraction(self.config.num_key_value_heads)))
         fit = int(free * self.ec.kv_memory_fraction) // (per_token * self.ec.page_size)
         return max(2, min(want, fit))
 

@@ -112,8 +112,11 @@ class PlainWorker(Worker):
             out = model(cache, batch, **runner.forward_options(prefill))
             return sample(out.logits, *sampling, variant=variant), out.cache
 
-        self._jit = {(prefill, variant): jax.jit(with_flat_states(
-            functools.partial(step, prefill=prefill, variant=variant), (runner.state_def,)), donate_argnums=(1,))
+        # Per shard under tensor parallelism (the parameters, the cache by KV heads, the rest
+        # replicated); the step itself when the engine has one device.
+        shard = functools.partial(engine.parallel.shard_step, ins=("target", "kv", None, None), outs=(None, "kv"))
+        self._jit = {(prefill, variant): jax.jit(shard(with_flat_states(
+            functools.partial(step, prefill=prefill, variant=variant), (runner.state_def,))), donate_argnums=(1,))
             for prefill, variant in ((True, "any"), (False, "greedy"), (False, "stochastic"))}
 
     def _shapes(self):

@@ -74,9 +74,11 @@ class DSparkWorker(DraftWorker):
         return 2 * d.num_layers * d.num_key_value_heads * d.head_dim * jnp.dtype(dtype).itemsize
 
     def allocate_draft_cache(self, num_pages, page_size, dtype):
-        d = self.drafter.config
+        d, par = self.drafter.config, self.engine.parallel
         shape = (d.num_layers, num_pages, page_size, d.num_key_value_heads, d.head_dim)
-        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        if par.default:
+            return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        return par.allocate_kv(*shape[:4], d.head_dim, dtype)
 
     def bind(self, engine) -> None:
         spec, G, n = self.spec, self.gamma, self.rounds
@@ -96,14 +98,16 @@ class DSparkWorker(DraftWorker):
         runner = engine.runner
         self._prefill_jit = self.jit_step(functools.partial(
             prefill_step, runner.graphdef, self.drafter_def, target_options=runner.forward_options(True)),
-            donate=(2, 3))
+            donate=(2, 3), ins=("kv", "kv", None, None), outs=(None, "kv", "kv"))
         self._round_jit = {mode: self.jit_step(functools.partial(
             spec_rounds, runner.graphdef, self.drafter_def, mode=mode, page_size=engine.pool.page_size,
             target_options=runner.forward_options(False)),
-            donate=(2, 3), packed_input=4, packed_output=True, static=("num_tokens",))
+            donate=(2, 3), packed_input=4, packed_output=True, static=("num_tokens",),
+            ins=("kv", "kv", None, None, None), outs=(None, None, "kv", "kv"))
             for mode in ("static", "compact", "cap-accept", "decode")}
-        R = engine.ec.max_running_requests
-        self._no_feed = (jnp.zeros((R,), jnp.int32), jnp.zeros((R,), jnp.int32))
+        R, par = engine.ec.max_running_requests, engine.parallel
+        self._no_feed = (par.zeros((R,), jnp.int32), par.zeros((R,), jnp.int32))
+        self.sts_temperatures = par.put(self.sts_temperatures)
         self._step = 0  # rounds dispatched
         self._last_read_at = 0.0
         self._batch_slots = None  # (the last call's requests, their slots, their generations)
