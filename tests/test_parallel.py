@@ -1,0 +1,297 @@
+"""Tensor parallelism: a TP 2 / TP 4 engine commits the single-device tokens (plain, DSpark static /
+compact / cap-accept, MTP; greedy in fp32 and seeded sampling), holds every parameter, cache and
+result in its designed sharding, compiles nothing after start-up, and refuses what cannot split.
+
+Needs 4 host devices (XLA_FLAGS=--xla_force_host_platform_device_count=4, read when JAX starts):
+in a process started without them, one test runs this module in a subprocess that has them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from dspark_jax.engine import Engine, EngineConfig
+from dspark_jax.parallel.sharding import TP_AXIS, HeadLayout
+from dspark_jax.sampling import SamplingParams
+from dspark_jax.spec.config import SpeculativeConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICES = 4
+FLAG = f"--xla_force_host_platform_device_count={DEVICES}"
+ENOUGH = jax.device_count() >= DEVICES
+needs_devices = pytest.mark.skipif(not ENOUGH, reason="run in a subprocess with 4 host devices "
+                                                      "(test_parallel_module_in_subprocess)")
+
+V = 298  # not a multiple of 4: TP 4 pads the vocabulary
+EC = dict(max_running_requests=4, max_prefill_tokens=32, max_model_len=128, page_size=8, precompile=False,
+          min_context_bucket=0)
+GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
+
+
+@pytest.mark.skipif(ENOUGH, reason="this process has the devices: the tests run here")
+def test_parallel_module_in_subprocess():
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FLAG}".strip(), "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=1500)
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
+    summary = out.stdout.strip().splitlines()[-1]
+    assert "passed" in summary and "failed" not in summary and "error" not in summary, summary
+
+
+# -- fixtures ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def target():
+    from tests.test_mtp_engine import scaled_target
+
+    # Hq 4, Hkv 2 (TP 4 replicates each KV head twice), tied head, q/k/v/o biases.
+    return scaled_target(vocab=V, attention_bias=True)
+
+
+@pytest.fixture(scope="module")
+def untied():
+    from tests.test_mtp_engine import scaled_target
+
+    return scaled_target(vocab=V, seed=3, tie_word_embeddings=False, num_key_value_heads=4)
+
+
+def _prompts(n=5, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, V, size=int(rng.integers(1, 24))).tolist() for _ in range(n)]
+
+
+_REF: dict = {}
+
+
+def reference(model, key, prompts, params):
+    """Single-device tokens (cached per model and request set)."""
+    k = (id(model), key)
+    if k not in _REF:
+        _REF[k] = [r.token_ids for r in Engine(model, None, EngineConfig(**EC)).generate(prompts, params)]
+    return _REF[k]
+
+
+def spec_of(array) -> P:
+    s = array.sharding
+    return s.spec if hasattr(s, "spec") else None
+
+
+def same_spec(a: P, b: P) -> bool:
+    """PartitionSpecs equal up to trailing Nones."""
+    strip = lambda p: tuple(p) + (None,) * (8 - len(tuple(p)))
+    return strip(a) == strip(b)
+
+
+# -- layout --------------------------------------------------------------------------------------
+
+def test_fused_qkv_layout_keeps_each_shards_gqa_group():
+    """Hq 8, Hkv 2, D 1: at TP 4 shard s holds q heads 2s, 2s+1 and kv head s // 2 (replicated);
+    at TP 2, q heads 4s..4s+3 and kv head s."""
+    lay = HeadLayout(tp=4, num_heads=8, num_kv_heads=2, head_dim=1, intermediate=8, vocab=10)
+    lay.validate()
+    cols = lay.param_rule(("layers", "self_attn", "qkv_proj", "kernel"), 3).columns.reshape(4, -1)
+    q, k, v = 0, 8, 10  # column offsets of the q, k and v heads
+    assert cols.tolist() == [[q + 2 * s, q + 2 * s + 1, k + s // 2, v + s // 2] for s in range(4)]
+    assert lay.cache_heads == 4 and lay.padded_vocab == 12
+    lay2 = HeadLayout(tp=2, num_heads=8, num_kv_heads=2, head_dim=1, intermediate=8, vocab=10)
+    cols = lay2.param_rule(("self_attn", "qkv_proj", "kernel"), 2).columns.reshape(2, -1)
+    assert cols.tolist() == [[*range(4 * s, 4 * s + 4), k + s, v + s] for s in range(2)]
+    gate_up = lay2.param_rule(("mlp", "gate_up_proj", "kernel"), 2).columns.reshape(2, -1)
+    assert gate_up.tolist() == [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]]
+
+
+def test_layout_blocks_read_without_the_whole_array():
+    """ParamRule.block (what a checkpoint loader reads per shard) equals the block of the whole
+    layout, for fused columns, padded vocabulary rows and row splits."""
+    lay = HeadLayout(tp=4, num_heads=8, num_kv_heads=2, head_dim=3, intermediate=8, vocab=10)
+    rng = np.random.default_rng(0)
+    for path, shape in ((("qkv_proj", "kernel"), (2, 5, 36)), (("embed_tokens", "embedding"), (10, 5)),
+                        (("lm_head", "kernel"), (5, 10)), (("o_proj", "kernel"), (2, 24, 5)),
+                        (("norm", "weight"), (5,))):
+        rule = lay.param_rule(path, len(shape))
+        a = rng.normal(size=shape).astype(np.float32)
+        whole = rule.layout(a)
+        ax = None if rule.axis is None else rule.axis % len(shape)
+        for s in range(4):
+            idx = [slice(None)] * len(shape)
+            if ax is not None:
+                n = whole.shape[ax] // 4
+                idx[ax] = slice(s * n, (s + 1) * n)
+            np.testing.assert_array_equal(rule.block(a, tuple(idx)), whole[tuple(idx)])
+
+
+# -- engines -------------------------------------------------------------------------------------
+
+@needs_devices
+@pytest.mark.parametrize("tp", [2, 4])
+def test_plain_greedy_and_shardings(target, tp):
+    prompts = _prompts()
+    eng = Engine(target, None, EngineConfig(**EC, tp_size=tp))
+    got = [r.token_ids for r in eng.generate(prompts, GREEDY)]
+    assert got == reference(target, "greedy", prompts, GREEDY)
+    # Parameters: every leaf in its designed spec, over this engine's devices.
+    par = eng.parallel
+    assert par.devices == jax.devices()[:tp]
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+        jax.tree.unflatten(eng.runner.state_def, eng.runner.state))[0]]
+    want = {"qkv_proj']['kernel": P(None, None, TP_AXIS), "qkv_proj']['bias": P(None, TP_AXIS),
+            "o_proj']['kernel": P(None, TP_AXIS, None), "o_proj']['bias": P(),
+            "gate_up_proj']['kernel": P(None, None, TP_AXIS), "down_proj']['kernel": P(None, TP_AXIS, None),
+            "embed_tokens']['embedding": P(TP_AXIS, None), "norm']['weight": P()}
+    seen = set()
+    for path, leaf in zip(paths, eng.runner.state):
+        assert leaf.sharding.mesh.devices.tolist() == par.devices
+        for key, spec in want.items():
+            if key in path:
+                seen.add(key)
+                assert same_spec(spec_of(leaf), spec), (path, leaf.sharding)
+        if "norm" in path:
+            assert spec_of(leaf) == P()
+    assert seen == set(want)
+    # Heads per shard: the cache holds max(Hkv, tp) heads, tp-way split.
+    k = eng.runner.cache.k
+    assert same_spec(spec_of(k), P(None, None, None, TP_AXIS)) and k.shape[3] == max(2, tp)
+    assert {s.data.shape[3] for s in k.addressable_shards} == {max(2, tp) // tp}
+    assert eng.runner.state[paths.index(next(p for p in paths if "embed_tokens" in p))].shape[0] == -(-V // tp) * tp
+    # A step's results: replicated tokens, the cache in its spec.
+    req = eng.add_request(prompts[0], GREEDY)
+    eng.step()  # the prefill
+    eng.step()  # a decode step, left in flight
+    step = eng._inflight
+    assert step is not None and spec_of(step.tokens) == P()
+    assert same_spec(spec_of(eng.runner.cache.k), P(None, None, None, TP_AXIS))
+    eng.abort(req)
+
+
+@needs_devices
+def test_untied_head_and_split_kv_heads(untied):
+    """An untied LM head (vocab-parallel columns) and as many KV heads as query heads."""
+    prompts = _prompts(4, seed=1)
+    eng = Engine(untied, None, EngineConfig(**EC, tp_size=4))
+    assert [r.token_ids for r in eng.generate(prompts, GREEDY)] == reference(untied, "greedy", prompts, GREEDY)
+    assert eng.runner.cache.k.shape[3] == 4
+
+
+@needs_devices
+def test_seeded_sampling_matches_single_device(target):
+    prompts = _prompts(4, seed=2)
+    params = [SamplingParams(max_new_tokens=10, temperature=0.8, top_k=40, top_p=0.95, seed=11 + i, ignore_eos=True)
+              for i in range(4)]
+    eng = Engine(target, None, EngineConfig(**EC, tp_size=2))
+    assert [r.token_ids for r in eng.generate(prompts, params)] == reference(target, "seeded", prompts, params)
+
+
+@pytest.fixture(scope="module")
+def dspark_drafter(target):
+    from tests.test_speculative_engine import repeat_biased_drafter
+
+    return repeat_biased_drafter(target)
+
+
+@needs_devices
+@pytest.mark.parametrize("tp, mode", [(2, "static"), (2, "compact"), (2, "cap-accept"), (4, "compact")])
+def test_dspark_commits_single_device_tokens(target, dspark_drafter, tp, mode):
+    from tests.test_speculative_engine import TABLE
+
+    prompts = _prompts()
+    eng = Engine(target, None, EngineConfig(**EC, tp_size=tp), drafter=dspark_drafter,
+                 spec=SpeculativeConfig(mode=mode, cost_table=None if mode == "static" else TABLE))
+    got = [r.token_ids for r in eng.generate(prompts, GREEDY)]
+    assert got == reference(target, "greedy", prompts, GREEDY)
+    assert eng.summary()["accept_length"] > 1.0  # drafts were accepted, not only bonus tokens
+    w = eng.worker
+    assert same_spec(spec_of(w.dcache.k), P(None, None, None, TP_AXIS))
+    specs = dict(zip([jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+        jax.tree.unflatten(w.state_defs[1], w.drafter_state))[0]], [spec_of(x) for x in w.drafter_state]))
+    for key, spec in (("q_proj']['kernel", P(None, None, TP_AXIS)), ("kv_proj']['kernel", P(None, None, TP_AXIS)),
+                      ("layers']['o_proj']['kernel", P(None, TP_AXIS, None)), ("w1']['embedding", P(TP_AXIS, None)),
+                      ("w2']['kernel", P(None, TP_AXIS)), ("confidence']['kernel", P()), ("['fc']['kernel", P())):
+        hits = [s for k, s in specs.items() if key in k]
+        assert hits and all(same_spec(s, spec) for s in hits), (key, hits)
+
+
+@needs_devices
+def test_dspark_seeded_sampling_matches_single_device(target, dspark_drafter):
+    prompts = _prompts(3, seed=4)
+    params = [SamplingParams(max_new_tokens=10, temperature=1.0, seed=5 + i, ignore_eos=True) for i in range(3)]
+    spec = dict(drafter=dspark_drafter, spec=SpeculativeConfig(mode="static"))
+    want = [r.token_ids for r in Engine(target, None, EngineConfig(**EC), **spec).generate(prompts, params)]
+    got = Engine(target, None, EngineConfig(**EC, tp_size=2), **spec).generate(prompts, params)
+    assert [r.token_ids for r in got] == want
+
+
+@needs_devices
+@pytest.mark.parametrize("tp", [2, 4])
+def test_mtp_commits_single_device_tokens(target, tp):
+    from tests.test_mtp_engine import repeat_drafter
+
+    prompts = _prompts(4, seed=3)
+    eng = Engine(target, None, EngineConfig(**EC, tp_size=tp), drafter=repeat_drafter(target),
+                 spec=SpeculativeConfig(algorithm="mtp", num_steps=3))
+    assert [r.token_ids for r in eng.generate(prompts, GREEDY)] == reference(target, "greedy3", prompts, GREEDY)
+    assert eng.summary()["accept_length"] > 1.0
+    assert same_spec(spec_of(eng.worker.dcache.k), P(None, None, None, TP_AXIS))
+    assert spec_of(eng.worker.pending.hidden) == P()
+
+
+@needs_devices
+def test_nothing_compiles_after_start_up(target, dspark_drafter):
+    """Every executable is compiled at start-up: generating (prefill, greedy and sampled decode,
+    DSpark rounds) compiles nothing, neither in the runner's record nor anywhere in JAX."""
+    from jax import monitoring
+
+    ec = EngineConfig(**{**EC, "precompile": True, "max_running_requests": 2, "max_prefill_tokens": 16}, tp_size=2)
+    engines = [Engine(target, None, ec),
+               Engine(target, None, ec, drafter=dspark_drafter, spec=SpeculativeConfig(mode="static"))]
+    events = []
+    listener = lambda name, *_a, **_k: events.append(name) if "compile" in name and "cache" not in name else None
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for eng in engines:
+            eng.runner.take_compile_spans()
+            eng.generate(_prompts(3, seed=6), [GREEDY, SamplingParams(max_new_tokens=6, temperature=1.0, seed=1),
+                                               GREEDY])
+            assert eng.runner.take_compile_spans() == []
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+    assert events == []
+
+
+@needs_devices
+def test_cost_table_key_names_the_parallel_configuration(target, dspark_drafter):
+    from dspark_jax.spec.dspark.profile import _cache_key
+
+    keys = {tp: _cache_key(Engine(target, None, EngineConfig(**EC, tp_size=tp), drafter=dspark_drafter,
+                                  spec=SpeculativeConfig(mode="static")).worker, 64) for tp in (1, 2)}
+    assert keys[1] != keys[2]
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+@needs_devices
+def test_bad_parallel_configs_fail_at_construction():
+    from tests.test_mtp_engine import scaled_target
+
+    small = scaled_target(vocab=64, num_attention_heads=6, num_key_value_heads=3, head_dim=8, intermediate_size=130)
+    with pytest.raises(ValueError, match="does not divide the target's 6 query heads"):
+        Engine(small, None, EngineConfig(**EC, tp_size=4))
+    with pytest.raises(ValueError, match="3 KV heads: one must divide"):
+        Engine(small, None, EngineConfig(**EC, tp_size=2))
+    mlp = scaled_target(vocab=64, intermediate_size=130)
+    with pytest.raises(ValueError, match="does not divide the target's intermediate size 130"):
+        Engine(mlp, None, EngineConfig(**EC, tp_size=4))
+    with pytest.raises(ValueError, match=f"tp_size 8 needs 8 devices but only {jax.device_count()}"):
+        Engine(mlp, None, EngineConfig(**EC, tp_size=8))
+    with pytest.raises(ValueError, match="tp_size must be an integer >= 1"):
+        Engine(mlp, None, EngineConfig(**EC, tp_size=0))
+    with pytest.raises(ValueError, match="needs exactly 2 devices, 1 given"):
+        Engine(mlp, None, EngineConfig(**EC, tp_size=2), devices=jax.devices()[:1])
