@@ -62,6 +62,7 @@ from serving.protocol import (
     sse,
     usage,
 )
+from serving.replicas import ReplicaRouter
 
 log = logging.getLogger("serving")
 
@@ -120,13 +121,15 @@ class ServerState:
     `fatal_error` holds the error and `fatal_event` is set."""
 
     def __init__(self, engine, cfg: ServerConfig, on_fatal: Callable[[BaseException], None] | None = None):
-        self.engine = engine
+        engines = list(engine) if isinstance(engine, (list, tuple)) else [engine]  # data-parallel replicas
+        self.engine = engines[0]  # every replica has the same model and limits
         self.cfg = cfg
         self.metrics = ServerMetrics(cfg.model_name, speculative=cfg.speculative_algorithm != "NONE")
         self.on_fatal = on_fatal
         self.fatal_error: BaseException | None = None
         self.fatal_event = threading.Event()
-        self.loop = EngineLoop(engine, self.metrics, on_fatal=self._fatal)
+        self.loop = (EngineLoop(engines[0], self.metrics, on_fatal=self._fatal) if len(engines) == 1 else
+                     ReplicaRouter(engines, self.metrics, on_fatal=self._fatal))
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_WORKERS, thread_name_prefix="dspark-tokenize")
         self.draining = False
         self.started = time.time()
@@ -189,6 +192,7 @@ def create_app(engine, cfg: ServerConfig | None = None, *,
                on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
     cfg = cfg or ServerConfig()
     state = ServerState(engine, cfg, on_fatal)
+    engine = state.engine  # (the first replica's, with data parallelism)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -478,10 +482,17 @@ def create_app(engine, cfg: ServerConfig | None = None, *,
     async def server_info():
         snap = dict(state.loop.snapshot)
         ec = engine.ec
-        avg_acc = None
-        st = getattr(engine, "stats", None)
-        if isinstance(st, dict) and st.get("accept_lens"):
-            avg_acc = float(sum(st["accept_lens"]) / len(st["accept_lens"]))
+        loops = getattr(state.loop, "loops", [state.loop])  # one per data-parallel replica
+
+        def avg_acc(e):
+            st = getattr(e, "stats", None)
+            if isinstance(st, dict) and st.get("accept_lens"):
+                return float(sum(st["accept_lens"]) / len(st["accept_lens"]))
+            return None
+
+        def parallel(e) -> dict:
+            par = getattr(e, "parallel", None)
+            return par.describe() if par is not None else {}
         return {
             "model_path": cfg.model_path, "served_model_name": cfg.model_name,
             "draft_model_path": cfg.draft_model_path, "speculative_algorithm": cfg.speculative_algorithm,
@@ -492,7 +503,10 @@ def create_app(engine, cfg: ServerConfig | None = None, *,
             "draining": state.draining, "uptime_s": time.time() - state.started,
             "memory_usage": {"token_capacity": snap["token_capacity"], "kv_used_pages": snap["kv_used_pages"],
                              "kv_free_pages": snap["kv_free_pages"], "kv_total_pages": snap["kv_total_pages"]},
-            "internal_states": [{**snap, "avg_spec_accept_length": avg_acc}],
+            "tp_size": ec.tp_size, "dp_size": len(loops),
+            "internal_states": [{**dict(lp.snapshot), "avg_spec_accept_length": avg_acc(lp.engine),
+                                 **({"replica": i, **parallel(lp.engine)} if len(loops) > 1 else {})}
+                                for i, lp in enumerate(loops)],
             **cfg.extra,
         }
 

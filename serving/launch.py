@@ -63,12 +63,15 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     import jax
 
-    log.info("loading %s (%s) on %s", args.model_path, args.speculative_algorithm, jax.devices()[0])
+    log.info("loading %s (%s) on %s (tp %d, dp %d)", args.model_path, args.speculative_algorithm, jax.devices()[0],
+             args.tp_size, args.dp_size)
     try:
-        engine = args.build_engine()
+        engines = args.build_engines()
     except (ValueError, OSError, DsparkError) as e:
         ap.error(str(e))
-    log.info("engine ready in %.1f s (compile %.1f s)", time.perf_counter() - t0, engine.compile_seconds)
+    engine = engines[0]
+    log.info("%d engine replica(s) ready in %.1f s (compile %.1f s)", len(engines), time.perf_counter() - t0,
+             engine.compile_seconds)
     cfg = ServerConfig(
         model_name=args.served_model_name or Path(args.model_path).name, model_path=str(args.model_path),
         draft_model_path=args.draft_model_path, speculative_algorithm=args.speculative_algorithm,
@@ -79,7 +82,7 @@ def main(argv=None) -> int:
                "speculative_num_draft_tokens": engine.worker.num_steps + 1}
         if args.speculative_algorithm == "MTP" else {},
     )
-    app = create_app(engine, cfg)
+    app = create_app(engines if len(engines) > 1 else engine, cfg)
     server = make_server(app, host=args.host, port=args.port, log_level=args.log_level,
                          shutdown_timeout=args.shutdown_timeout)
     state = app.state.server

@@ -295,3 +295,80 @@ def test_bad_parallel_configs_fail_at_construction():
         Engine(mlp, None, EngineConfig(**EC, tp_size=0))
     with pytest.raises(ValueError, match="needs exactly 2 devices, 1 given"):
         Engine(mlp, None, EngineConfig(**EC, tp_size=2), devices=jax.devices()[:1])
+
+
+# -- data parallelism behind the server -----------------------------------------------------------
+
+@needs_devices
+def test_server_tp2_dp2_answers_like_the_single_device_server(tmp_path_factory):
+    """Two TP 2 replicas behind one server: greedy answers (openai client, concurrent) equal the
+    single-device server's, requests spread over both replicas, and /server_info and /metrics
+    report each replica."""
+    import asyncio
+
+    import httpx
+    openai = pytest.importorskip("openai")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dspark_jax.server_args import ServerArgs
+    from serving.app import ServerConfig, create_app
+    from tests.conftest import write_hf_qwen3
+    from tests.test_server import serve_in_thread
+
+    folder = write_hf_qwen3(tmp_path_factory.mktemp("dp") / "m", max_pos=512)
+    common = dict(model_path=str(folder), speculative_algorithm="NONE", max_running_requests=4, max_model_len=256,
+                  max_prefill_tokens=64, precompile=False)
+    prompts = ["def f(x):", "import numpy", "class A:", "for i in range(", "return self.", "x = [1, 2"]
+
+    def answers(engines) -> tuple[list[str], dict, str]:
+        app = create_app(engines, ServerConfig(model_name="m", model_path=str(folder)))
+        with serve_in_thread(app) as base:
+            async def run_all():
+                async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300) as c:
+                    async def one(p):
+                        r = await c.completions.create(model="m", prompt=p, max_tokens=10, temperature=0,
+                                                       extra_body={"ignore_eos": True})
+                        return r.choices[0].text
+                    return await asyncio.gather(*[one(p) for p in prompts])
+
+            texts = asyncio.run(run_all())
+            info = httpx.get(base + "/server_info", timeout=30, trust_env=False).json()
+            metrics = httpx.get(base + "/metrics", timeout=30, trust_env=False).text
+        return texts, info, metrics
+
+    want, _, _ = answers(ServerArgs(**common).resolve().build_engines()[0])
+    engines = ServerArgs(**common, tp_size=2, dp_size=2).resolve().build_engines()
+    assert [e.parallel.devices for e in engines] == [jax.devices()[:2], jax.devices()[2:4]]
+    got, info, metrics = answers(engines)
+    assert got == want
+    assert (info["tp_size"], info["dp_size"], len(info["internal_states"])) == (2, 2, 2)
+    states = info["internal_states"]
+    assert [s["replica"] for s in states] == [0, 1] and all(s["tp_size"] == 2 for s in states)
+    assert all(s["total_steps"] > 0 for s in states)  # both replicas served requests
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(metrics) for s in fam.samples}
+    assert {("dspark:replica_kv_usage", (("replica", "0"),)), ("dspark:replica_kv_usage", (("replica", "1"),))} \
+        <= set(samples)
+    assert samples[("dspark:requests_total", (("finish_reason", "length"),))] == len(prompts)
+
+
+def test_router_picks_the_least_loaded_replica():
+    from serving.replicas import ReplicaRouter, combine_snapshots
+
+    class FakeLoop:
+        def __init__(self, active):
+            import queue
+
+            self.snapshot, self._commands, self.alive = {"active_streams": active}, queue.Queue(), True
+
+    router = ReplicaRouter.__new__(ReplicaRouter)
+    import itertools
+
+    router._rr, router.loops = itertools.count(), [FakeLoop(3), FakeLoop(1), FakeLoop(1)]
+    assert router.pick() in (1, 2)
+    router.loops[1]._commands.put(("add",))  # submitted, not yet picked up: counts as load
+    assert router.pick() == 2
+    router.loops[2].alive = False
+    assert router.pick() == 1
+    snap = combine_snapshots([{"kv_used_pages": 1, "kv_total_pages": 4}, {"kv_used_pages": 3, "kv_total_pages": 4}])
+    assert snap["kv_usage"] == 0.5 and snap["kv_used_pages"] == 4
