@@ -219,10 +219,17 @@ class ServerArgs:
         from dspark_jax.parallel.mesh import replica_device_groups
 
         groups = replica_device_groups(self.tp_size, self.dp_size)
-        model, tokenizer, drafter, spec = self._parts()
         ec = dataclasses.replace(self.engine_config(), precompile=False)
-        engines = [Engine(model, tokenizer, ec, drafter=drafter, spec=dataclasses.replace(spec) if spec else None,
-                          devices=g) for g in groups]
+        if self.tp_size > 1 and not self.model_path.startswith(EXPAND_PREFIX):
+            # each replica reads the checkpoint straight into its own shards
+            spec = self.speculative_config()
+            engines = [Engine.from_pretrained(self.model_path, ec, dataclasses.replace(spec) if spec else None,
+                                              draft_path=self.draft_model_path if spec else None, devices=g)
+                       for g in groups]
+        else:  # read once, placed on each replica's devices
+            model, tokenizer, drafter, spec = self._parts()
+            engines = [Engine(model, tokenizer, ec, drafter=drafter, spec=dataclasses.replace(spec) if spec else None,
+                              devices=g) for g in groups]
         if self.precompile:  # every replica's executables in one pool, then each derives its table
             seconds = compile_engines(engines)
             for e in engines:

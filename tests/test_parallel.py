@@ -372,3 +372,32 @@ def test_router_picks_the_least_loaded_replica():
     assert router.pick() == 1
     snap = combine_snapshots([{"kv_used_pages": 1, "kv_total_pages": 4}, {"kv_used_pages": 3, "kv_total_pages": 4}])
     assert snap["kv_usage"] == 0.5 and snap["kv_used_pages"] == 4
+
+
+# -- loading straight into shards ------------------------------------------------------------------
+
+@needs_devices
+@pytest.mark.parametrize("tp, kw", [(2, dict(tie=False, bias=True, shard=True)), (4, dict(tie=True))])
+def test_checkpoint_loads_straight_into_shards(tmp_path_factory, tp, kw):
+    """Engine.from_pretrained at tp > 1 reads each device's blocks from the safetensors files: the
+    same leaves, bit for bit, as laying out the fully loaded model, and the single-device tokens."""
+    from dspark_jax.checkpoint import load_model
+    from dspark_jax.parallel.loading import ShardedModel, load_sharded
+    from dspark_jax.parallel.runtime import Parallel
+    from tests.conftest import write_hf_qwen3
+
+    folder = write_hf_qwen3(tmp_path_factory.mktemp("ld") / "m", **kw)
+    par = Parallel(tp)
+    _, sharded = load_sharded(folder, par)
+    assert isinstance(sharded, ShardedModel)
+    _, full = load_model(folder)
+    _, leaves, _ = Parallel(tp).split_module(full, "target")
+    assert len(leaves) == len(sharded.leaves)
+    for a, b in zip(sharded.leaves, leaves):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim) and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ec = EngineConfig(**{**EC, "max_model_len": 128})
+    eng = Engine.from_pretrained(folder, ec, tp_size=tp)
+    prompts = _prompts(3, seed=8)
+    want = [r.token_ids for r in Engine.from_pretrained(folder, ec).generate(prompts, GREEDY)]
+    assert [r.token_ids for r in eng.generate(prompts, GREEDY)] == want

@@ -133,7 +133,14 @@ class Engine:
         unless ``spec.sts`` is given or STS data is being recorded)."""
         ec = dataclasses.replace(config or EngineConfig(), **overrides)
         dtype = ec.dtype or ("float32" if jax.default_backend() == "cpu" else None)
-        tcfg, model = load_model(path, dtype=dtype)
+        if ec.tp_size > 1:  # each device reads its own blocks: no whole copy on one device
+            from dspark_jax.parallel.loading import load_sharded
+
+            par = Parallel(ec.tp_size, devices)
+            tcfg, model = load_sharded(path, par, dtype=dtype)
+            devices = par.devices
+        else:
+            tcfg, model = load_model(path, dtype=dtype)
         drafter = None
         if draft_path is not None:
             from dspark_jax.spec.loading import load_drafter_for

@@ -119,6 +119,13 @@ class Parallel:
     def split_module(self, module, kind: str):
         """(graphdef, flat parameter leaves, their tree structure) of a model or drafter as the
         compiled steps take them: the per-shard structure and sharded leaves under TP."""
+        from dspark_jax.parallel.loading import ShardedModel
+
+        if isinstance(module, ShardedModel):  # loaded straight into shards (parallel/loading.py)
+            if module.devices != self.devices:
+                raise ValueError(f"the model was loaded onto {module.devices}, the engine runs on {self.devices}")
+            self.specs[kind], self.layouts[kind] = list(module.specs), module.layout
+            return module.graphdef, list(module.leaves), module.treedef
         graphdef, state = nnx.split(module)
         leaves, treedef = jax.tree.leaves(state), jax.tree.structure(state)  # as engine/flat_state.py
         if self.default:
