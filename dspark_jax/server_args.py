@@ -153,6 +153,11 @@ class ServerArgs:
             _check_block_size(draft, self.block_size)
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("--nnodes > 1 needs --dist-init-addr (host:port of rank 0)")
+        if self.nnodes > 1 and self.dp_size > 1:
+            raise ValueError("--dp-size > 1 with --nnodes > 1 is not supported: one engine spans the hosts")
+        if self.nnodes > 1 and algo == "DSPARK" and self.verify_mode != "static" and self.sps_table_path is None:
+            raise ValueError("--nnodes > 1: a cost table derived on each host would differ and steer the hosts "
+                             "apart; pass --sps-table-path (or 'none') or --verify-mode static")
         if not 0 <= self.node_rank < max(self.nnodes, 1):
             raise ValueError(f"--node-rank must be in [0, --nnodes {self.nnodes}), got {self.node_rank}")
         for flag, value, low in (("--tp-size", self.tp_size, 1), ("--dp-size", self.dp_size, 1),
@@ -166,6 +171,13 @@ class ServerArgs:
             if value is not None and not value >= low:
                 raise ValueError(f"{flag} must be >= {low}, got {value}")
         return dataclasses.replace(self, model_path=model, draft_model_path=draft, speculative_algorithm=algo)
+
+    def init_distributed(self) -> bool:
+        """Join the --nnodes processes (jax.distributed.initialize; before anything else uses
+        JAX); False for one node."""
+        from dspark_jax.parallel.multihost import initialize
+
+        return initialize(self.nnodes, self.node_rank, self.dist_init_addr)
 
     # -- what the engine takes -------------------------------------------------------------------
     def engine_config(self):

@@ -61,6 +61,7 @@ def main(argv=None) -> int:
     from serving.app import ServerConfig, create_app
 
     t0 = time.perf_counter()
+    args.init_distributed()  # --nnodes > 1: join the other hosts before JAX starts
     import jax
 
     log.info("loading %s (%s) on %s (tp %d, dp %d)", args.model_path, args.speculative_algorithm, jax.devices()[0],
@@ -70,6 +71,14 @@ def main(argv=None) -> int:
     except (ValueError, OSError, DsparkError) as e:
         ap.error(str(e))
     engine = engines[0]
+    if args.nnodes > 1:  # one engine over every host: rank 0 serves and leads, the others follow
+        from dspark_jax.parallel.multihost import LeaderEngine, follow
+
+        if args.node_rank != 0:
+            log.info("rank %d following rank 0's steps", args.node_rank)
+            follow(engine)
+            return 0
+        engines = [engine := LeaderEngine(engine)]
     log.info("%d engine replica(s) ready in %.1f s (compile %.1f s)", len(engines), time.perf_counter() - t0,
              engine.compile_seconds)
     cfg = ServerConfig(
@@ -93,6 +102,8 @@ def main(argv=None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     server.run()
+    if args.nnodes > 1:
+        engine.close()  # the followers return
     if state.fatal_error is not None:
         log.error("the engine failed: %r", state.fatal_error)
         return 1

@@ -34,6 +34,7 @@ V = 298  # not a multiple of 4: TP 4 pads the vocabulary
 EC = dict(max_running_requests=4, max_prefill_tokens=32, max_model_len=128, page_size=8, precompile=False,
           min_context_bucket=0)
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
+SEEDED = [SamplingParams(max_new_tokens=8, temperature=0.9, seed=21 + i, ignore_eos=True) for i in range(2)]
 
 
 @pytest.mark.skipif(ENOUGH, reason="this process has the devices: the tests run here")
@@ -401,3 +402,42 @@ def test_checkpoint_loads_straight_into_shards(tmp_path_factory, tp, kw):
     prompts = _prompts(3, seed=8)
     want = [r.token_ids for r in Engine.from_pretrained(folder, ec).generate(prompts, GREEDY)]
     assert [r.token_ids for r in eng.generate(prompts, GREEDY)] == want
+
+
+# -- several processes -----------------------------------------------------------------------------
+
+@needs_devices  # (where this process lacks them, the module's subprocess runs it)
+def test_tp2_engine_across_two_processes_commits_the_single_process_tokens(tmp_path, target, dspark_drafter):
+    """Two processes on localhost (gloo CPU collectives), one CPU device each, one TP 2 engine over
+    both: run the same calls (SPMD), then rank 0 leading (LeaderEngine) while rank 1 replays its
+    requests (follow), plain and DSpark static, greedy and seeded: rank 0 commits the tokens of a
+    single-process, single-device engine."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "rank0.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "multihost_worker.py"), str(r), str(port), str(out)],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in (0, 1)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=900)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n=====\n".join(x[-4000:] for x in logs)
+    got = __import__("json").loads(out.read_text())
+    prompts = _prompts()
+    greedy = reference(target, "greedy", prompts, GREEDY)
+    assert got["spmd"] == greedy and got["plain"] == greedy and got["dspark"] == greedy
+    seeded = reference(target, "seeded2", prompts[:2], SEEDED)
+    assert got["plain_seeded"] == seeded
+    spec = dict(drafter=dspark_drafter, spec=SpeculativeConfig(mode="static"))
+    want = [r.token_ids for r in Engine(target, None, EngineConfig(**EC), **spec).generate(prompts[:2], SEEDED)]
+    assert got["dspark_seeded"] == want

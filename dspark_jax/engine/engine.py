@@ -36,6 +36,7 @@ from dspark_jax.errors import InvalidRequestError
 from dspark_jax.kv_cache import allocate_kv_cache, kv_bytes_per_token
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
 from dspark_jax.page_pool import PagePool
+from dspark_jax.parallel.host import to_host
 from dspark_jax.parallel.runtime import Parallel
 from dspark_jax.sampling import SamplingParams
 from dspark_jax.tokenizer import Tokenizer
@@ -262,7 +263,7 @@ class Engine:
     def _prefill(self, chunks):
         """Prefill prompt chunks; a request whose prompt is now cached starts decoding with its
         sampled first token."""
-        tokens = np.asarray(self.worker.prefill(chunks))
+        tokens = to_host(self.worker.prefill(chunks))
         events = []
         for i, (r, n) in enumerate(chunks):
             r.num_cached += n

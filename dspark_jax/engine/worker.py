@@ -20,6 +20,7 @@ from dspark_jax.engine.flat_state import with_flat_states
 from dspark_jax.engine.model_runner import abstract, round_up
 from dspark_jax.engine.request import Request, Status
 from dspark_jax.forward_batch import ForwardBatch, build_forward_batch, shape_struct
+from dspark_jax.parallel.host import prefetch, to_host
 from dspark_jax.sampling import sample, sampling_arrays, sampling_struct
 
 
@@ -167,9 +168,9 @@ class PlainWorker(Worker):
         sampling = sampling_arrays([r.params for r in reqs], [r.seed for r in reqs],
                                    [r.total_len + ahead for r in reqs], B)
         tokens = self.run(batch, sampling, "stochastic" if sampling[0].any() else "greedy")
-        tokens.copy_to_host_async()
+        prefetch(tokens)
         return _DecodeStep(reqs, tokens)
 
     def read(self, step):
-        tokens = np.asarray(step.tokens)
+        tokens = to_host(step.tokens)
         return [(r, r.commit([tokens[i]])) for i, r in enumerate(step.reqs) if r.status is not Status.FINISHED]

@@ -68,8 +68,9 @@ class Parallel:
 
     @property
     def device(self):
-        """The first device (memory statistics, the cost table's device kind)."""
-        return self.devices[0]
+        """The first of the devices this process drives (memory statistics, the cost table's
+        device kind)."""
+        return next((d for d in self.devices if d.process_index == jax.process_index()), self.devices[0])
 
     def describe(self) -> dict:
         return {"tp_size": self.tp_size, "devices": [str(d) for d in self.devices]}

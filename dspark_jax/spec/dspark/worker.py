@@ -33,6 +33,7 @@ from dspark_jax.engine.request import Request, Status
 from dspark_jax.engine.worker import prefill_batch, prefill_shapes
 from dspark_jax.forward_batch import shape_struct
 from dspark_jax.kv_cache import KVCache
+from dspark_jax.parallel.host import prefetch, to_host
 from dspark_jax.sampling import sampling_struct
 from dspark_jax.spec.common.stats import commit_rounds
 from dspark_jax.spec.common.tiers import TokenTiers
@@ -250,12 +251,12 @@ class DSparkWorker(DraftWorker):
         results, (next_anchor, next_start), runner.cache, self.dcache = fn(
             runner.state, self.drafter_state, runner.cache, self.dcache, pack.pack(inp), pack.device(inp),
             self.sts_temperatures)
-        results.copy_to_host_async()
+        prefetch(results)
         return _Call(reqs, results, next_anchor, next_start, plan, step, slots, generations, t0, prev is not None)
 
     def read(self, call: _Call):
         """Read a dispatched call (the one host sync per call) and commit its rounds in order."""
-        stacked = self._result_pack(call.plan.rows).unpack_host(jax.device_get(call.results))
+        stacked = self._result_pack(call.plan.rows).unpack_host(to_host(call.results))
         now = time.perf_counter()
         measured = round_seconds(call.dispatched_at, self._last_read_at, now, self.engine.runner.take_compile_spans(),
                                  self.rounds)

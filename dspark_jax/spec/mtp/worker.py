@@ -22,6 +22,7 @@ from dspark_jax.engine.model_runner import abstract
 from dspark_jax.engine.request import Request
 from dspark_jax.engine.worker import prefill_batch, prefill_shapes
 from dspark_jax.forward_batch import shape_struct
+from dspark_jax.parallel.host import to_host
 from dspark_jax.sampling import sampling_struct
 from dspark_jax.spec.common.stats import commit_rounds
 from dspark_jax.spec.common.tiers import TokenTiers
@@ -147,7 +148,7 @@ class MTPWorker(DraftWorker):
         return _Round(reqs, results, S)
 
     def read(self, rnd: _Round):
-        out = self._results_pack(rnd.rows).unpack_host(jax.device_get(rnd.results))
+        out = self._results_pack(rnd.rows).unpack_host(to_host(rnd.results))
         self.stats["rounds"] += 1
         done = commit_rounds(self.stats, rnd.reqs, out.drafts, out.num_accepted, out.bonus, out.verify_lens,
                              out.block_accept)
