@@ -441,3 +441,18 @@ def test_tp2_engine_across_two_processes_commits_the_single_process_tokens(tmp_p
     spec = dict(drafter=dspark_drafter, spec=SpeculativeConfig(mode="static"))
     want = [r.token_ids for r in Engine(target, None, EngineConfig(**EC), **spec).generate(prompts[:2], SEEDED)]
     assert got["dspark_seeded"] == want
+
+
+def test_parallel_flags_are_checked_and_reach_the_engine_config():
+    from dspark_jax.server_args import ServerArgs
+
+    ec = ServerArgs(tp_size=2, dp_size=3, speculative_algorithm="NONE").resolve().engine_config()
+    assert (ec.tp_size, ec.dp_size) == (2, 3)
+    for kw, msg in ((dict(nnodes=2), "needs --dist-init-addr"), (dict(tp_size=0), "--tp-size must be >= 1"),
+                    (dict(nnodes=2, dist_init_addr="h:1", dp_size=2), "not supported"),
+                    (dict(nnodes=2, node_rank=2, dist_init_addr="h:1"), "--node-rank must be in"),
+                    (dict(nnodes=2, dist_init_addr="h:1", speculative_algorithm="DSPARK"), "--sps-table-path")):
+        with pytest.raises(ValueError, match=msg):
+            ServerArgs(**{"speculative_algorithm": "NONE", **kw}).resolve()
+    with pytest.raises(ValueError, match="dp_size must be an integer"):
+        EngineConfig(dp_size=0).validate()

@@ -29,7 +29,6 @@ collectives of ``parallel/layers.py``.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 from jax.sharding import PartitionSpec as P
@@ -234,12 +233,3 @@ def local_shape(shape: tuple[int, ...], rule: ParamRule, tp: int) -> tuple[int, 
         g[rule.axis % len(g)] //= tp
     return tuple(g)
 
-
-def cache_bytes_fraction(num_kv_heads: int, tp: int) -> float:
-    """Bytes of a cache on one device relative to the whole single-device cache."""
-    local = max(1, num_kv_heads // tp) if tp > 1 else num_kv_heads
-    return local / num_kv_heads
-
-
-def nbytes(shape, dtype) -> int:
-    return math.prod(shape) * np.dtype(dtype).itemsize
