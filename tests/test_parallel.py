@@ -211,6 +211,15 @@ def test_dspark_commits_single_device_tokens(target, dspark_drafter, tp, mode):
     assert eng.summary()["accept_length"] > 1.0  # drafts were accepted, not only bonus tokens
     w = eng.worker
     assert same_spec(spec_of(w.dcache.k), P(None, None, None, TP_AXIS))
+    assert spec_of(w.sts_temperatures) == P() and spec_of(w._no_feed[0]) == P()
+    # A round's results: the packed host results and the fed anchors replicated, caches by heads.
+    req = eng.add_request(prompts[0], GREEDY)
+    eng.step()
+    eng.step()
+    call = eng._inflight
+    assert spec_of(call.results) == P() and spec_of(call.next_anchor) == P() and spec_of(call.next_start) == P()
+    assert same_spec(spec_of(eng.runner.cache.v), P(None, None, None, TP_AXIS))
+    eng.abort(req)
     specs = dict(zip([jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
         jax.tree.unflatten(w.state_defs[1], w.drafter_state))[0]], [spec_of(x) for x in w.drafter_state]))
     for key, spec in (("q_proj']['kernel", P(None, None, TP_AXIS)), ("kv_proj']['kernel", P(None, None, TP_AXIS)),
