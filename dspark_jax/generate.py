@@ -59,8 +59,12 @@ def main(argv=None) -> int:
                             top_k=ns.top_k, seed=ns.seed, stop=tuple(ns.stop), ignore_eos=ns.ignore_eos)
     try:
         params.validate()
-        engine = ServerArgs.from_namespace(ns).resolve().build_engine()
+        args = ServerArgs.from_namespace(ns).resolve()
+        args.init_distributed()  # several hosts: every rank runs the same prompts (deterministic)
+        engine = args.build_engine()
         results = engine.generate(prompts, params)
+        if args.node_rank != 0:
+            return 0
         if hasattr(engine.worker, "flush_records"):
             engine.worker.flush_records()
     except (DsparkError, ValueError, OSError) as e:

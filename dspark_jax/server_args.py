@@ -69,6 +69,15 @@ class ServerArgs:
                              choices=("float32", "bfloat16"))
     precompile: bool = _opt(True, help="compile every executable on first use instead of at start-up",
                             flag="--no-precompile")
+    # -- parallelism (SGLang's names) --------------------------------------------------------------
+    tp_size: int = _opt(1, help="tensor parallelism: devices one engine's model is split over (Megatron style)")
+    dp_size: int = _opt(1, help="data parallelism: engine replicas of tp-size devices each; the server "
+                                "sends each request to the least-loaded one", server=True)
+    nnodes: int = _opt(1, help="hosts (processes) the engine spans; with more than one, every host runs this "
+                               "command with its --node-rank")
+    node_rank: int = _opt(0, help="this host's rank among --nnodes (0 serves HTTP; the others follow its steps)")
+    dist_init_addr: str | None = _opt(help="host:port of rank 0's coordinator for --nnodes > 1 "
+                                           "(jax.distributed.initialize)")
     # -- server ----------------------------------------------------------------------------------
     served_model_name: str | None = _opt(help="name clients pass as 'model' (default: the folder name)", server=True)
     host: str = _opt("127.0.0.1", help="address to listen on", server=True)
@@ -142,7 +151,18 @@ class ServerArgs:
             raise ValueError("--mtp-steps needs --speculative-algorithm MTP")
         if self.block_size is not None and not expanded:
             _check_block_size(draft, self.block_size)
-        for flag, value, low in (("--max-running-requests", self.max_running_requests, 1),
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr (host:port of rank 0)")
+        if self.nnodes > 1 and self.dp_size > 1:
+            raise ValueError("--dp-size > 1 with --nnodes > 1 is not supported: one engine spans the hosts")
+        if self.nnodes > 1 and algo == "DSPARK" and self.verify_mode != "static" and self.sps_table_path is None:
+            raise ValueError("--nnodes > 1: a cost table derived on each host would differ and steer the hosts "
+                             "apart; pass --sps-table-path (or 'none') or --verify-mode static")
+        if not 0 <= self.node_rank < max(self.nnodes, 1):
+            raise ValueError(f"--node-rank must be in [0, --nnodes {self.nnodes}), got {self.node_rank}")
+        for flag, value, low in (("--tp-size", self.tp_size, 1), ("--dp-size", self.dp_size, 1),
+                                 ("--nnodes", self.nnodes, 1),
+                                 ("--max-running-requests", self.max_running_requests, 1),
                                  ("--max-prefill-tokens", self.max_prefill_tokens, 1), ("--page-size", self.page_size, 1),
                                  ("--rounds-per-call", self.rounds_per_call, 1), ("--mtp-steps", self.mtp_steps, 1),
                                  ("--max-total-tokens", self.max_total_tokens, 1), ("--max-model-len", self.max_model_len, 2),
@@ -152,6 +172,13 @@ class ServerArgs:
                 raise ValueError(f"{flag} must be >= {low}, got {value}")
         return dataclasses.replace(self, model_path=model, draft_model_path=draft, speculative_algorithm=algo)
 
+    def init_distributed(self) -> bool:
+        """Join the --nnodes processes (jax.distributed.initialize; before anything else uses
+        JAX); False for one node."""
+        from dspark_jax.parallel.multihost import initialize
+
+        return initialize(self.nnodes, self.node_rank, self.dist_init_addr)
+
     # -- what the engine takes -------------------------------------------------------------------
     def engine_config(self):
         from dspark_jax.engine.config import EngineConfig
@@ -159,7 +186,8 @@ class ServerArgs:
         num_pages = -(-self.max_total_tokens // self.page_size) + 1 if self.max_total_tokens else None  # + sentinel
         return EngineConfig(max_running_requests=self.max_running_requests, max_model_len=self.max_model_len,
                             page_size=self.page_size, num_pages=num_pages, max_prefill_tokens=self.max_prefill_tokens,
-                            kernels=self.kernels, dtype=self.dtype, precompile=self.precompile)
+                            kernels=self.kernels, dtype=self.dtype, precompile=self.precompile,
+                            tp_size=self.tp_size, dp_size=self.dp_size)
 
     def speculative_config(self):
         """The SpeculativeConfig of resolved args (None for plain decoding)."""
@@ -194,17 +222,67 @@ class ServerArgs:
         return Engine.from_pretrained(self.model_path, self.engine_config(), spec,
                                       draft_path=self.draft_model_path if spec is not None else None)
 
+    def build_engines(self) -> list:
+        """The dp_size engine replicas these (resolved) args describe, each on its own tp_size
+        devices (replica r on devices [r * tp, (r + 1) * tp)); the model is read once."""
+        if self.dp_size == 1:
+            return [self.build_engine()]
+        from dspark_jax.engine.engine import Engine, compile_engines
+        from dspark_jax.parallel.mesh import replica_device_groups
+
+        groups = replica_device_groups(self.tp_size, self.dp_size)
+        ec = dataclasses.replace(self.engine_config(), precompile=False)
+        if self.tp_size > 1 and not self.model_path.startswith(EXPAND_PREFIX):
+            # each replica reads the checkpoint straight into its own shards
+            spec = self.speculative_config()
+            engines = [Engine.from_pretrained(self.model_path, ec, dataclasses.replace(spec) if spec else None,
+                                              draft_path=self.draft_model_path if spec else None, devices=g)
+                       for g in groups]
+        else:  # read once, placed on each replica's devices
+            model, tokenizer, drafter, spec = self._parts()
+            engines = [Engine(model, tokenizer, ec, drafter=drafter, spec=dataclasses.replace(spec) if spec else None,
+                              devices=g) for g in groups]
+        if self.precompile:  # every replica's executables in one pool, then each derives its table
+            seconds = compile_engines(engines)
+            for e in engines:
+                e.compile_seconds = seconds
+                e.worker.calibrate()
+        return engines
+
+    def _parts(self):
+        """(target, tokenizer, drafter or None, SpeculativeConfig or None), read once."""
+        import jax
+
+        from dspark_jax.checkpoint import load_model
+        from dspark_jax.tokenizer import Tokenizer
+
+        spec = self.speculative_config()
+        if self.model_path.startswith(EXPAND_PREFIX):
+            return self._expanded_parts(spec)
+        dtype = self.dtype or ("float32" if jax.default_backend() == "cpu" else None)
+        tcfg, model = load_model(self.model_path, dtype=dtype)
+        drafter = None
+        if spec is not None:
+            from dspark_jax.spec.loading import load_drafter_for
+
+            drafter, spec = load_drafter_for(tcfg, model, self.draft_model_path, spec)
+        return model, Tokenizer.from_folder(self.model_path), drafter, spec
+
     def _expanded_engine(self, spec):
+        from dspark_jax.engine import Engine
+
+        target, tokenizer, drafter, spec = self._expanded_parts(spec)
+        return Engine(target, tokenizer, self.engine_config(), drafter=drafter, spec=spec)
+
+    def _expanded_parts(self, spec):
         """The embedded pair expanded in memory to the shape after ``expand:``."""
         import dataclasses as dc
 
         import jax
 
         from dspark_jax.calibration.sts import StsCalibration
-        from dspark_jax.engine import Engine
         from dspark_jax.expand import expand_pair
 
-        ec = self.engine_config()
         dtype = self.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
         pair = expand_pair(shape=self.model_path[len(EXPAND_PREFIX):], dtype=dtype, progress=True,
                            max_position_embeddings=max(self.max_model_len or 4096, 4096))
@@ -214,7 +292,7 @@ class ServerArgs:
             spec = dc.replace(spec, sts=StsCalibration.load(pair.sts_path))
         if spec is not None and spec.algorithm == "mtp" and spec.num_steps is None:
             spec = dc.replace(spec, num_steps=3)
-        return Engine(pair.target, pair.tokenizer, ec, drafter=drafter, spec=spec)
+        return pair.target, pair.tokenizer, drafter, spec
 
     def to_json(self) -> str:
         return json.dumps({k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()})

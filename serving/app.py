@@ -47,6 +47,7 @@ def create_app(engine, cfg: ServerConfig | None = None, *,
                on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
     cfg = cfg or ServerConfig()
     state = ServerState(engine, cfg, on_fatal)
+    engine = state.engine  # (the first replica's, with data parallelism)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -113,10 +114,17 @@ def create_app(engine, cfg: ServerConfig | None = None, *,
     async def server_info():
         snap = dict(state.loop.snapshot)
         ec = engine.ec
-        avg_acc = None
-        st = getattr(engine, "stats", None)
-        if isinstance(st, dict) and st.get("accept_lens"):
-            avg_acc = float(sum(st["accept_lens"]) / len(st["accept_lens"]))
+        loops = getattr(state.loop, "loops", [state.loop])  # one per data-parallel replica
+
+        def avg_acc(e):
+            st = getattr(e, "stats", None)
+            if isinstance(st, dict) and st.get("accept_lens"):
+                return float(sum(st["accept_lens"]) / len(st["accept_lens"]))
+            return None
+
+        def parallel(e) -> dict:
+            par = getattr(e, "parallel", None)
+            return par.describe() if par is not None else {}
         return {
             "model_path": cfg.model_path, "served_model_name": cfg.model_name,
             "draft_model_path": cfg.draft_model_path, "speculative_algorithm": cfg.speculative_algorithm,
@@ -129,7 +137,10 @@ def create_app(engine, cfg: ServerConfig | None = None, *,
             "draining": state.draining, "uptime_s": time.time() - state.started, "pid": os.getpid(),
             "memory_usage": {"token_capacity": snap["token_capacity"], "kv_used_pages": snap["kv_used_pages"],
                              "kv_free_pages": snap["kv_free_pages"], "kv_total_pages": snap["kv_total_pages"]},
-            "internal_states": [{**snap, "avg_spec_accept_length": avg_acc}],
+            "tp_size": ec.tp_size, "dp_size": len(loops),
+            "internal_states": [{**dict(lp.snapshot), "avg_spec_accept_length": avg_acc(lp.engine),
+                                 **({"replica": i, **parallel(lp.engine)} if len(loops) > 1 else {})}
+                                for i, lp in enumerate(loops)],
             **cfg.extra,
         }
 

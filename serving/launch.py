@@ -136,16 +136,28 @@ def main(argv=None) -> int:
         ap.error(str(e))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
+    args.init_distributed()  # --nnodes > 1: join the other hosts before JAX starts
     import jax
 
     from serving.app import ServerConfig, create_app
 
-    log.info("loading %s (%s) on %s", args.model_path, args.speculative_algorithm, jax.devices()[0])
+    log.info("loading %s (%s) on %s (tp %d, dp %d)", args.model_path, args.speculative_algorithm, jax.devices()[0],
+             args.tp_size, args.dp_size)
     try:
-        engine = build_engine(args)
+        engines = [build_engine(args)] if args.dp_size == 1 else args.build_engines()
     except (ValueError, OSError, DsparkError) as e:
         ap.error(str(e))
-    log.info("engine ready in %.1f s (compile %.1f s)", time.perf_counter() - t0, engine.compile_seconds)
+    engine = engines[0]
+    if args.nnodes > 1:  # one engine over every host: rank 0 serves and leads, the others follow
+        from dspark_jax.parallel.multihost import LeaderEngine, follow
+
+        if args.node_rank != 0:
+            log.info("rank %d following rank 0's steps", args.node_rank)
+            follow(engine)
+            return 0
+        engines = [engine := LeaderEngine(engine)]
+    log.info("%d engine replica(s) ready in %.1f s (compile %.1f s)", len(engines), time.perf_counter() - t0,
+             engine.compile_seconds)
     cfg = ServerConfig(
         model_name=args.served_model_name or Path(args.model_path).name, model_path=str(args.model_path),
         draft_model_path=args.draft_model_path, speculative_algorithm=args.speculative_algorithm,
@@ -156,7 +168,7 @@ def main(argv=None) -> int:
                "speculative_num_draft_tokens": engine.worker.num_steps + 1}
         if args.speculative_algorithm == "MTP" else {},
     )
-    app = create_app(engine, cfg)
+    app = create_app(engines if len(engines) > 1 else engine, cfg)
     server = make_server(app, host=args.host, port=args.port, log_level=args.log_level,
                          shutdown_timeout=args.shutdown_timeout)
     state = app.state.server
@@ -167,6 +179,8 @@ def main(argv=None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     server.run()
+    if args.nnodes > 1:
+        engine.close()  # the followers return
     if state.fatal_error is not None:
         log.error("the engine failed: %r", state.fatal_error)
         return 1

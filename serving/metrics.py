@@ -74,5 +74,19 @@ class ServerMetrics:
         self.token_capacity.set(s["token_capacity"])
         self.gen_throughput.set(s["last_gen_throughput"])
 
+    def on_replica_snapshot(self, replica: int, s: dict) -> None:
+        """One data-parallel replica's state (serving/replicas.py): dspark:replica_* gauges with a
+        replica label; the unlabelled gauges above then hold the sum over replicas."""
+        if not hasattr(self, "_replica_gauges"):
+            r, names = self.registry, (("num_running_reqs", "Requests holding a slot"),
+                                       ("num_queue_reqs", "Requests waiting for a slot or KV pages"),
+                                       ("kv_usage", "Fraction of usable KV pages reserved"),
+                                       ("kv_used_pages", "KV pages reserved by requests"),
+                                       ("last_gen_throughput", "Generated tokens/s over the last few seconds"))
+            self._replica_gauges = {k: Gauge(P + "replica_" + k, h + ", per replica", ["replica"], registry=r)
+                                    for k, h in names}
+        for k, g in self._replica_gauges.items():
+            g.labels(replica=str(replica)).set(s[k])
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

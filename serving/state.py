@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from serving.engine_loop import EngineLoop, describe
 from serving.metrics import ServerMetrics
 from serving.params import Limits
+from serving.replicas import ReplicaRouter
 
 log = logging.getLogger("serving")
 
@@ -42,13 +43,15 @@ class ServerState:
     `fatal_error` holds the error and `fatal_event` is set."""
 
     def __init__(self, engine, cfg: ServerConfig, on_fatal: Callable[[BaseException], None] | None = None):
-        self.engine = engine
+        engines = list(engine) if isinstance(engine, (list, tuple)) else [engine]  # data-parallel replicas
+        self.engine = engines[0]  # every replica has the same model and limits
         self.cfg = cfg
         self.metrics = ServerMetrics(cfg.model_name, speculative=cfg.speculative_algorithm != "NONE")
         self.on_fatal = on_fatal
         self.fatal_error: BaseException | None = None
         self.fatal_event = threading.Event()
-        self.loop = EngineLoop(engine, self.metrics, on_fatal=self._fatal)
+        self.loop = (EngineLoop(engines[0], self.metrics, on_fatal=self._fatal) if len(engines) == 1 else
+                     ReplicaRouter(engines, self.metrics, on_fatal=self._fatal))
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_WORKERS, thread_name_prefix="dspark-tokenize")
         self.draining = False
         self.started = time.time()

@@ -38,6 +38,12 @@ class EngineConfig:
     # others (at start-up unless precompile is off; twice a speculative engine's round
     # executables), "off" refuses such requests and keeps no processor state.
     logit_processors: str = "lazy"
+    # Tensor parallelism: the devices one engine's model and caches are split over (Megatron
+    # style, dspark_jax/parallel); 1 keeps the single-device path exactly.
+    tp_size: int = 1
+    # Data parallelism: engine replicas (each on its own tp_size devices) behind the server,
+    # which routes each request to the least-loaded one.  An Engine itself is one replica.
+    dp_size: int = 1
 
     def validate(self) -> None:
         if self.max_running_requests < 1 or self.max_prefill_tokens < 1 or self.max_prefill_seqs < 1:
@@ -50,5 +56,9 @@ class EngineConfig:
             raise ValueError(f"kernels must be one of {BACKENDS}, got {self.kernels!r}")
         if self.logit_processors not in LOGIT_PROCESSORS:
             raise ValueError(f"logit_processors must be one of {LOGIT_PROCESSORS}, got {self.logit_processors!r}")
+        for name in ("tp_size", "dp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")

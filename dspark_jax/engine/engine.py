@@ -37,6 +37,8 @@ from dspark_jax.kv_cache import allocate_kv_cache, kv_bytes_per_token
 from dspark_jax.logit_processors import MAX_STOP_IDS, LogitProcessors
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
 from dspark_jax.page_pool import PagePool
+from dspark_jax.parallel.host import to_host
+from dspark_jax.parallel.runtime import Parallel
 from dspark_jax.sampling import SamplingParams
 from dspark_jax.tokenizer import Tokenizer
 
@@ -90,11 +92,14 @@ def compile_engines(engines, progress=None) -> float:
 
 class Engine:
     def __init__(self, model: Qwen3ForCausalLM, tokenizer: Tokenizer | None, config: EngineConfig | None = None, *,
-                 drafter=None, spec=None, worker: Worker | None = None):
+                 drafter=None, spec=None, worker: Worker | None = None, devices=None):
         """drafter: a DSparkDrafter or MTPDrafter beside the target (spec: its SpeculativeConfig);
-        worker: an already built worker instead."""
+        worker: an already built worker instead; devices: the ec.tp_size devices this engine runs
+        on (default: the first tp_size devices)."""
         self.ec = ec = config or EngineConfig()
         ec.validate()
+        self.parallel = Parallel(ec.tp_size, devices)
+        self.parallel.check(model.config, "target")
         self.worker = worker or make_worker(drafter, spec)
         self.config: Qwen3Config = model.config
         self.tokenizer = tokenizer
@@ -106,10 +111,14 @@ class Engine:
         self.pool = PagePool(ec.num_pages or self._default_num_pages(model), ec.page_size)
         enable_compilation_cache(ec.compile_cache_dir)
         unroll = ec.unroll_decode if ec.unroll_decode is not None else jax.default_backend() == "gpu"
-        self.runner = ModelRunner(model, allocate_kv_cache(self.config, self.pool.num_pages, ec.page_size, model.dtype),
-                                  kernels=ec.kernels, unroll=unroll)
+        par = self.parallel
+        cache = (allocate_kv_cache(self.config, self.pool.num_pages, ec.page_size, model.dtype) if par.default else
+                 par.allocate_kv(self.config.num_hidden_layers, self.pool.num_pages, ec.page_size,
+                                 self.config.num_key_value_heads, self.config.head_dim, model.dtype))
+        self.runner = ModelRunner(model, cache, kernels=ec.kernels, unroll=unroll, parallel=par)
         self.num_tokens = model.num_tokens  # the real vocabulary (the head may be wider)
-        self.processors = None if ec.logit_processors == "off" else LogitProcessors(
+        # Logit processors keep single-device state: with tensor parallelism they are off.
+        self.processors = None if ec.logit_processors == "off" or not par.default else LogitProcessors(
             self.runner, slots=ec.max_running_requests, vocab=self.config.vocab_size, max_len=self.max_model_len,
             precompile=ec.logit_processors == "precompile")
         self.prefill_seqs = min(ec.max_prefill_seqs, ec.max_running_requests)
@@ -131,13 +140,20 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None, spec=None, *,
-                        draft_path: str | Path | None = None, **overrides) -> Engine:
+                        draft_path: str | Path | None = None, devices=None, **overrides) -> Engine:
         """A Hugging Face Qwen3 folder, and with ``draft_path`` a drafter folder (DSpark or MTP,
         as ``spec.algorithm`` says; a DSpark drafter's own sts.json calibrates its confidences
         unless ``spec.sts`` is given or STS data is being recorded)."""
         ec = dataclasses.replace(config or EngineConfig(), **overrides)
         dtype = ec.dtype or ("float32" if jax.default_backend() == "cpu" else None)
-        tcfg, model = load_model(path, dtype=dtype)
+        if ec.tp_size > 1:  # each device reads its own blocks: no whole copy on one device
+            from dspark_jax.parallel.loading import load_sharded
+
+            par = Parallel(ec.tp_size, devices)
+            tcfg, model = load_sharded(path, par, dtype=dtype)
+            devices = par.devices
+        else:
+            tcfg, model = load_model(path, dtype=dtype)
         drafter = None
         if draft_path is not None:
             from dspark_jax.spec.loading import load_drafter_for
@@ -145,16 +161,17 @@ class Engine:
             drafter, spec = load_drafter_for(tcfg, model, draft_path, spec)
         elif spec is not None:
             raise ValueError("a speculative config needs draft_path")
-        return cls(model, Tokenizer.from_folder(path), ec, drafter=drafter, spec=spec)
+        return cls(model, Tokenizer.from_folder(path), ec, drafter=drafter, spec=spec, devices=devices)
 
     # -- sizing and compilation --------------------------------------------------------------
     def _default_num_pages(self, model) -> int:
         want = self.ec.max_running_requests * self.pages_per_seq + 1
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = self.parallel.device.memory_stats() or {}
         if "bytes_limit" not in stats:
             return want
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         per_token = kv_bytes_per_token(self.config, model.dtype) + self.worker.kv_bytes_per_token(model.dtype)
+        per_token = max(1, int(per_token * self.parallel.kv_bytes_fraction(self.config.num_key_value_heads)))
         fit = int(free * self.ec.kv_memory_fraction) // (per_token * self.ec.page_size)
         return max(2, min(want, fit))
 
@@ -214,7 +231,7 @@ class Engine:
         params.validate(vocab_size=self.num_tokens)
         if params.needs_processed_steps and self.processors is None:
             raise InvalidRequestError("logprobs, penalties, logit_bias and min_tokens need an engine with logit "
-                                      "processors (EngineConfig.logit_processors is 'off')")
+                                      "processors (EngineConfig.logit_processors is 'off', or tensor parallelism)")
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
         if params.min_tokens and len(stops) > MAX_STOP_IDS:
             raise InvalidRequestError(f"min_tokens masks at most {MAX_STOP_IDS} stop and EOS ids; this request "
@@ -279,7 +296,7 @@ class Engine:
             for r, _ in chunks:
                 if r.num_cached == 0 and r.params.processes_logits:
                     self.processors.install(r)
-        tokens, logprobs = jax.device_get(self.worker.prefill(chunks))
+        tokens, logprobs = jax.tree.map(to_host, self.worker.prefill(chunks))
         events = []
         for i, (r, n) in enumerate(chunks):
             r.num_cached += n

@@ -57,18 +57,38 @@ def batch_ladder(max_value: int, start: int = 1) -> list[int]:
 
 
 def abstract(tree):
-    """ShapeDtypeStructs of a tree of arrays, for lowering a step without its data."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+    """ShapeDtypeStructs of a tree of arrays, for lowering a step without its data; a device
+    array's sharding comes along (a step of a sharded or non-default-device engine is compiled
+    for the shardings its arrays have)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_placed(x)), tree)
+
+
+def _placed(x):
+    """x's sharding when it is a device array not simply on the default device, else None (a
+    single-device engine lowers exactly as it always did)."""
+    sharding = getattr(x, "sharding", None)
+    if sharding is None or not isinstance(x, jax.Array):
+        return None
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding) and sharding.device_set == {jax.devices()[0]}:
+        return None
+    return sharding
 
 
 class ModelRunner:
     """The target model as the steps see it: flat parameter leaves, the KV cache, the kernels."""
 
-    def __init__(self, model: Qwen3ForCausalLM, cache: KVCache, *, kernels: str = "auto", unroll: bool = False):
+    def __init__(self, model: Qwen3ForCausalLM, cache: KVCache, *, kernels: str = "auto", unroll: bool = False,
+                 parallel=None):
+        """parallel: the engine's dspark_jax.parallel.runtime.Parallel (None: the default device);
+        under tensor parallelism graphdef is the per-shard structure and state its sharded leaves."""
         self.config = model.config
         self.dtype = model.dtype
-        self.graphdef, state = nnx.split(model)
-        (self.state,), (self.state_def,) = flatten_states(state)  # dispatched as a flat list
+        if parallel is None or parallel.default:
+            self.graphdef, state = nnx.split(model)
+            (self.state,), (self.state_def,) = flatten_states(state)  # dispatched as a flat list
+        else:
+            self.graphdef, self.state, self.state_def = parallel.split_module(model, "target")
+        self.parallel = parallel
         self.cache = cache
         self.backend = resolve_backend(kernels)
         self.norm_backend = resolve_norm_backend(kernels, self.config.hidden_size)

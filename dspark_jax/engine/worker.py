@@ -22,6 +22,7 @@ from dspark_jax.engine.request import Request, Status
 from dspark_jax.forward_batch import ForwardBatch, build_forward_batch, shape_struct
 from dspark_jax.logit_processors import LogitProcessors, sample_processed
 from dspark_jax.logprobs import TokenLogprobs
+from dspark_jax.parallel.host import prefetch, to_host
 from dspark_jax.sampling import sampling_arrays, sampling_struct
 
 
@@ -135,8 +136,12 @@ class PlainWorker(Worker):
                                                   variant="any" if variant == "processed" else variant)
             return tokens, lp, out.cache, lstate
 
-        self._jit = {(prefill, variant): jax.jit(with_flat_states(
-            functools.partial(step, prefill=prefill, variant=variant), (runner.state_def,)), donate_argnums=(1, 2))
+        # Per shard under tensor parallelism (the parameters, the cache by KV heads, the rest
+        # replicated); the step itself when the engine has one device.
+        shard = functools.partial(engine.parallel.shard_step, ins=("target", "kv", None, None, None),
+                                  outs=(None, None, "kv", None))
+        self._jit = {(prefill, variant): jax.jit(shard(with_flat_states(
+            functools.partial(step, prefill=prefill, variant=variant), (runner.state_def,))), donate_argnums=(1, 2))
             for prefill, variant in ((True, "any"), (False, "greedy"), (False, "stochastic"), (False, "processed"))}
 
     def _shapes(self):
@@ -203,14 +208,14 @@ class PlainWorker(Worker):
         if any(r.processed for r in reqs):
             tokens, lp = self.run(batch, sampling + (LogitProcessors.slots(reqs, B),), "processed")
             for x in lp:
-                x.copy_to_host_async()
+                prefetch(x)
         else:
             tokens, lp = self.run(batch, sampling, "stochastic" if sampling[0].any() else "greedy"), None
-        tokens.copy_to_host_async()
+        prefetch(tokens)
         return _DecodeStep(reqs, tokens, lp)
 
     def read(self, step):
-        tokens = np.asarray(step.tokens)
-        lp = jax.device_get(step.logprobs) if step.logprobs is not None else None
+        tokens = to_host(step.tokens)
+        lp = jax.tree.map(to_host, step.logprobs) if step.logprobs is not None else None
         return [(r, r.commit([tokens[i]], logprob_rows(lp, i))) for i, r in enumerate(step.reqs)
                 if r.status is not Status.FINISHED]

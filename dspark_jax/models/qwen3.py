@@ -23,6 +23,8 @@ from dspark_jax.kv_cache import KVCache
 from dspark_jax.layers.attention import attend_paged, paged_attention
 from dspark_jax.layers.norm import RMSNorm, rms_norm
 from dspark_jax.layers.rotary import apply_rope, rope_cos_sin
+from dspark_jax.parallel.context import gather_last
+from dspark_jax.parallel.layers import RowParallelLinear, VocabParallelEmbed, VocabParallelLinear
 from pallas_kernels.backend import BACKENDS
 from pallas_kernels.fused_add_rms_norm import fused_add_rms_norm_op
 from pallas_kernels.fused_add_rms_norm import resolve_backend as resolve_norm_backend
@@ -66,8 +68,8 @@ def add_rms_norm(
     return fused_add_rms_norm_op(x, delta, norm.weight[...], eps=norm.eps, backend=backend)
 
 
-def _linear(din: int, dout: int, *, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(
+def _linear(din: int, dout: int, *, bias: bool, dtype, rngs: nnx.Rngs, cls=nnx.Linear) -> nnx.Linear:
+    return cls(
         din,
         dout,
         use_bias=bias,
@@ -91,7 +93,7 @@ class Qwen3Attention(nnx.Module):
         d, D = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
         self.qkv_proj = _linear(d, (self.num_heads + 2 * self.num_kv_heads) * D, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
-        self.o_proj = _linear(self.num_heads * D, d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = _linear(self.num_heads * D, d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs, cls=RowParallelLinear)
         self.q_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
 
@@ -147,7 +149,7 @@ class Qwen3MLP(nnx.Module):
     def __init__(self, cfg: Qwen3Config, *, dtype, rngs: nnx.Rngs):
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.gate_up_proj = _linear(d, 2 * f, bias=False, dtype=dtype, rngs=rngs)
-        self.down_proj = _linear(f, d, bias=False, dtype=dtype, rngs=rngs)
+        self.down_proj = _linear(f, d, bias=False, dtype=dtype, rngs=rngs, cls=RowParallelLinear)
 
     def __call__(self, x):
         return self.down_proj(swiglu(self.gate_up_proj(x)))
@@ -194,7 +196,7 @@ class Qwen3ForCausalLM(nnx.Module):
         self.config = cfg
         self.dtype = dtype
         self.num_tokens = cfg.vocab_size if num_tokens is None else int(num_tokens)
-        self.embed_tokens = nnx.Embed(
+        self.embed_tokens = VocabParallelEmbed(
             cfg.vocab_size,
             cfg.hidden_size,
             dtype=dtype,
@@ -213,7 +215,7 @@ class Qwen3ForCausalLM(nnx.Module):
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
-            else _linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
+            else _linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs, cls=VocabParallelLinear)
         )
 
     def _kernel_stacks(self, norm_backend: str, kv_write_backend: str) -> LayerStacks:
@@ -228,10 +230,12 @@ class Qwen3ForCausalLM(nnx.Module):
 
     def logits(self, h: jax.Array) -> jax.Array:
         """LM head on final-normed hidden states, in fp32; ids past ``num_tokens`` get -inf after
-        the full-width GEMM (which thus costs what the checkpoint's head costs)."""
+        the full-width GEMM (which thus costs what the checkpoint's head costs).  In a
+        tensor-parallel step each shard computes its vocabulary block and the rows are gathered
+        (the vocabulary padded to a multiple of the shards: padded ids are past num_tokens)."""
         if self.lm_head is None:
             w = self.embed_tokens.embedding[...]
-            out = jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
+            out = gather_last(jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32))
         else:
             out = self.lm_head(h).astype(jnp.float32)
         if self.num_tokens < out.shape[-1]:

@@ -45,9 +45,13 @@ class DraftWorker(Worker):
     def bind(self, engine) -> None:
         super().bind(engine)
         runner = engine.runner
-        graphdef, state = nnx.split(self.drafter)
-        self.drafter_def = graphdef
-        (self.drafter_state,), (drafter_state_def,) = flatten_states(state)
+        par = engine.parallel
+        if par.default:
+            graphdef, state = nnx.split(self.drafter)
+            self.drafter_def = graphdef
+            (self.drafter_state,), (drafter_state_def,) = flatten_states(state)
+        else:  # placed on the engine's devices (per shard under tensor parallelism)
+            self.drafter_def, self.drafter_state, drafter_state_def = par.split_module(self.drafter, "drafter")
         self.state_defs = (runner.state_def, drafter_state_def)
         self.dcache = self.allocate_draft_cache(engine.pool.num_pages, engine.pool.page_size, runner.dtype)
         self._compiled: dict = {}
@@ -59,11 +63,13 @@ class DraftWorker(Worker):
 
     # -- compiled steps ------------------------------------------------------------------------
     def jit_step(self, fn, *, donate: tuple[int, ...], packed_input: int | None = None, packed_output: bool = False,
-                 static: tuple[str, ...] = ()):
+                 static: tuple[str, ...] = (), ins: tuple = (), outs: tuple = ()):
         """jax.jit of ``fn(target_state, drafter_state, *rest)`` taking both states as flat leaf
         lists; with packed_input = i, argument i is a NamedTuple passed as one int32 buffer plus
         its device fields (engine/host_pack.py), and with packed_output the first result's host
-        fields come back as one buffer."""
+        fields come back as one buffer.  ins / outs: what each argument after the two states and
+        each result is ("kv": a paged cache, None: replicated), for the per-shard step of a
+        tensor-parallel engine (Parallel.shard_step)."""
         fn = with_flat_states(fn, self.state_defs)
         if packed_input is not None:
             fn = with_packed_inputs(fn, index=packed_input)
@@ -71,6 +77,7 @@ class DraftWorker(Worker):
         if packed_output:
             fn = with_packed_outputs(fn)
             static += ("out_pack",)
+        fn = self.engine.parallel.shard_step(fn, ins=("target", "drafter", *ins), outs=outs)
         return jax.jit(fn, donate_argnums=donate, static_argnames=static)
 
     def lstate(self, processed: bool):

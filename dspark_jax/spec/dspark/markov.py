@@ -19,11 +19,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dspark_jax.parallel.layers import VocabParallelEmbed, VocabParallelLinear
 from dspark_jax.spec.dspark.config import DSparkConfig
 
 
-def _dense(din, dout, *, bias, dtype, rngs):
-    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype,
+def _dense(din, dout, *, bias, dtype, rngs, cls=nnx.Linear):
+    return cls(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype,
                       kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
 
 
@@ -32,8 +33,8 @@ class MarkovHead(nnx.Module):
         self.kind = cfg.markov_type
         self.rank = r = cfg.markov_rank
         d, V = cfg.hidden_size, cfg.vocab_size
-        self.w1 = nnx.Embed(V, r, dtype=dtype, param_dtype=dtype, embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
-        self.w2 = _dense(r, V, bias=False, dtype=dtype, rngs=rngs)
+        self.w1 = VocabParallelEmbed(V, r, dtype=dtype, param_dtype=dtype, embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+        self.w2 = _dense(r, V, bias=False, dtype=dtype, rngs=rngs, cls=VocabParallelLinear)
         self.gate_proj = _dense(d + r, r, bias=True, dtype=dtype, rngs=rngs) if self.kind == "gated" else None
         self.joint_proj = _dense(2 * r + d, 3 * r, bias=True, dtype=dtype, rngs=rngs) if self.kind == "rnn" else None
 

@@ -25,6 +25,7 @@ from dspark_jax.layers.attention import paged_attention
 from dspark_jax.layers.norm import RMSNorm
 from dspark_jax.layers.rotary import apply_rope, rope_cos_sin
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
+from dspark_jax.parallel.layers import RowParallelLinear
 from dspark_jax.spec.dspark.config import DSparkConfig
 from dspark_jax.spec.dspark.markov import MarkovHead, _dense
 from pallas_kernels.ragged_paged_attention import write_kv_pages
@@ -37,12 +38,12 @@ class DraftLayer(nnx.Module):
         self.input_layernorm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype)
         self.q_proj = _dense(d, self.num_heads * D, bias=False, dtype=dtype, rngs=rngs)
         self.kv_proj = _dense(d, 2 * self.num_kv_heads * D, bias=False, dtype=dtype, rngs=rngs)
-        self.o_proj = _dense(self.num_heads * D, d, bias=False, dtype=dtype, rngs=rngs)
+        self.o_proj = _dense(self.num_heads * D, d, bias=False, dtype=dtype, rngs=rngs, cls=RowParallelLinear)
         self.q_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype)
         self.gate_up_proj = _dense(d, 2 * cfg.intermediate_size, bias=False, dtype=dtype, rngs=rngs)
-        self.down_proj = _dense(cfg.intermediate_size, d, bias=False, dtype=dtype, rngs=rngs)
+        self.down_proj = _dense(cfg.intermediate_size, d, bias=False, dtype=dtype, rngs=rngs, cls=RowParallelLinear)
 
     def kv(self, x, cos, sin):
         """K (normed, rotated) and V of rows x [B, T, d] at rotary angles cos/sin [B*T, D]."""

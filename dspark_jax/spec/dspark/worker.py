@@ -34,6 +34,7 @@ from dspark_jax.engine.worker import prefill_batch, prefill_sampling_struct, pre
 from dspark_jax.forward_batch import shape_struct
 from dspark_jax.kv_cache import KVCache
 from dspark_jax.logprobs import top_width
+from dspark_jax.parallel.host import prefetch, to_host
 from dspark_jax.spec.common.stats import commit_rounds
 from dspark_jax.spec.common.tiers import TokenTiers
 from dspark_jax.spec.common.worker import DraftWorker
@@ -83,9 +84,11 @@ class DSparkWorker(DraftWorker):
         return 2 * d.num_layers * d.num_key_value_heads * d.head_dim * jnp.dtype(dtype).itemsize
 
     def allocate_draft_cache(self, num_pages, page_size, dtype):
-        d = self.drafter.config
+        d, par = self.drafter.config, self.engine.parallel
         shape = (d.num_layers, num_pages, page_size, d.num_key_value_heads, d.head_dim)
-        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        if par.default:
+            return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        return par.allocate_kv(*shape[:4], d.head_dim, dtype)
 
     def bind(self, engine) -> None:
         spec, G, n = self.spec, self.gamma, self.rounds
@@ -105,14 +108,16 @@ class DSparkWorker(DraftWorker):
         runner = engine.runner
         self._prefill_jit = self.jit_step(functools.partial(
             prefill_step, runner.graphdef, self.drafter_def, target_options=runner.forward_options(True)),
-            donate=(2, 3, 4))
+            donate=(2, 3, 4), ins=("kv", "kv", None, None, None), outs=(None, None, "kv", "kv", None))
         self._round_jit = {mode: self.jit_step(functools.partial(
             spec_rounds, runner.graphdef, self.drafter_def, mode=mode, page_size=engine.pool.page_size,
             target_options=runner.forward_options(False)),
-            donate=(2, 3, 4), packed_input=5, packed_output=True, static=("num_tokens",))
+            donate=(2, 3, 4), packed_input=5, packed_output=True, static=("num_tokens",),
+            ins=("kv", "kv", None, None, None, None), outs=(None, None, "kv", "kv", None))
             for mode in ("static", "compact", "cap-accept", "decode")}
-        R = engine.ec.max_running_requests
-        self._no_feed = (jnp.zeros((R,), jnp.int32), jnp.zeros((R,), jnp.int32))
+        R, par = engine.ec.max_running_requests, engine.parallel
+        self._no_feed = (par.zeros((R,), jnp.int32), par.zeros((R,), jnp.int32))
+        self.sts_temperatures = par.put(self.sts_temperatures)
         self._step = 0  # rounds dispatched
         self._last_read_at = 0.0
         self._batch_slots = None  # (the last call's requests, their slots, their generations)
@@ -262,13 +267,13 @@ class DSparkWorker(DraftWorker):
             runner.state, self.drafter_state, runner.cache, self.dcache, self.lstate(processed), pack.pack(inp),
             pack.device(inp), self.sts_temperatures)
         self.keep_lstate(lstate)
-        results.copy_to_host_async()
+        prefetch(results)
         return _Call(reqs, results, next_anchor, next_start, plan, step, slots, generations, t0, prev is not None,
                      processed)
 
     def read(self, call: _Call):
         """Read a dispatched call (the one host sync per call) and commit its rounds in order."""
-        stacked = self._result_pack(call.plan.rows, call.processed).unpack_host(jax.device_get(call.results))
+        stacked = self._result_pack(call.plan.rows, call.processed).unpack_host(to_host(call.results))
         now = time.perf_counter()
         measured = round_seconds(call.dispatched_at, self._last_read_at, now, self.engine.runner.take_compile_spans(),
                                  self.rounds)

@@ -23,6 +23,7 @@ from dspark_jax.engine.request import Request
 from dspark_jax.engine.worker import prefill_batch, prefill_sampling_struct, prefill_shapes
 from dspark_jax.forward_batch import shape_struct
 from dspark_jax.logprobs import top_width
+from dspark_jax.parallel.host import to_host
 from dspark_jax.spec.common.stats import commit_rounds
 from dspark_jax.spec.common.tiers import TokenTiers
 from dspark_jax.spec.common.worker import DraftWorker
@@ -52,21 +53,27 @@ class MTPWorker(DraftWorker):
         return 2 * d.num_key_value_heads * d.head_dim * jnp.dtype(dtype).itemsize  # one layer
 
     def allocate_draft_cache(self, num_pages, page_size, dtype):
-        return allocate_mtp_cache(self.drafter.config, num_pages, page_size, dtype)
+        d, par = self.drafter.config, self.engine.parallel
+        if par.default:
+            return allocate_mtp_cache(d, num_pages, page_size, dtype)
+        return par.allocate_kv(1, num_pages, page_size, d.num_key_value_heads, d.head_dim, dtype)
 
     def bind(self, engine) -> None:
         self.drafter.config.check_target(engine.config)
         super().bind(engine)
         runner, k = engine.runner, self.num_steps
         self.tiers = TokenTiers(k, engine.decode_buckets)
-        self.pending = allocate_pending(engine.ec.max_running_requests, k, engine.config.hidden_size, runner.dtype)
+        self.pending = engine.parallel.put(
+            allocate_pending(engine.ec.max_running_requests, k, engine.config.hidden_size, runner.dtype))
         self._prefill_jit = self.jit_step(functools.partial(
             mtp_prefill_step, runner.graphdef, self.drafter_def, target_options=runner.forward_options(True)),
-            donate=(2, 3, 4, 5))
+            donate=(2, 3, 4, 5), ins=("kv", "kv", None, None, None, None, None, None),
+            outs=(None, None, "kv", "kv", None, None))
         self._round_jit = self.jit_step(functools.partial(
             mtp_spec_step, runner.graphdef, self.drafter_def, page_size=engine.pool.page_size,
             target_options=runner.forward_options(False)),
-            donate=(2, 3, 4, 5), packed_input=6, packed_output=True, static=("num_tokens",))
+            donate=(2, 3, 4, 5), packed_input=6, packed_output=True, static=("num_tokens",),
+            ins=("kv", "kv", None, None, None, None), outs=(None, None, "kv", "kv", None, None))
         self.new_stats()
 
     # -- compilation ---------------------------------------------------------------------------
@@ -149,7 +156,7 @@ class MTPWorker(DraftWorker):
         return _Round(reqs, results, S, a.processed)
 
     def read(self, rnd: _Round):
-        out = self._results_pack(rnd.rows, rnd.processed).unpack_host(jax.device_get(rnd.results))
+        out = self._results_pack(rnd.rows, rnd.processed).unpack_host(to_host(rnd.results))
         self.stats["rounds"] += 1
         done = commit_rounds(self.stats, rnd.reqs, out.drafts, out.num_accepted, out.bonus, out.verify_lens,
                              out.block_accept, out.logprobs if rnd.processed else None)

@@ -1,0 +1,125 @@
+"""Servers against each other under the same load: is the default ever slower than plain decoding?
+
+Starts one `serving.launch` per arm (each on its own loopback port, all up at once, idle while
+another is measured), then for each concurrency runs `load_generator` against the arms in turn,
+`--repeats` times, interleaved (A B A B ...) so drift in the machine's load hits every arm alike.
+Reports output tok/s per arm and concurrency, the median over repeats, and each arm's ratio to the
+first arm (the reference, by default plain decoding).
+
+    python benchmarks/bench_server_arms.py --concurrency 1,16,128 --duration 40 --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from tqdm.auto import tqdm
+
+from benchmarks import load_generator
+from benchmarks.common import environment, write_results
+
+DEFAULT_ARMS = ("none=--speculative-algorithm NONE", "default=")
+
+
+def start(flags: str, port: int, log_dir: Path) -> subprocess.Popen:
+    log = open(log_dir / f"server_{port}.log", "w")
+    cmd = [sys.executable, "-m", "serving.launch", "--port", str(port), *shlex.split(flags)]
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent)
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, timeout: float) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server on port {port} exited with {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"server on port {port} not healthy after {timeout} s")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arm", action="append", help="NAME=FLAGS for serving.launch (repeatable; the first is "
+                                                   f"the reference); default: {' and '.join(DEFAULT_ARMS)}")
+    ap.add_argument("--concurrency", default="1,16,128")
+    ap.add_argument("--duration", type=float, default=40.0, help="seconds of load per measurement")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--base-port", type=int, default=31000)
+    ap.add_argument("--startup-timeout", type=float, default=900.0)
+    ap.add_argument("--name", default="server_arms_cpu")
+    ap.add_argument("--out-dir", action="append", default=[])
+    args = ap.parse_args(argv)
+    arms = [a.split("=", 1) for a in (args.arm or DEFAULT_ARMS)]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "bench_server_arms"
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    procs = {}
+    try:
+        for i, (name, flags) in enumerate(arms):  # one at a time: start-up compiles on every core
+            procs[name] = (start(flags, args.base_port + i, log_dir), args.base_port + i)
+            wait_healthy(*procs[name], args.startup_timeout)
+        runs = {name: {c: [] for c in levels} for name, _ in arms}
+        bar = tqdm(total=len(levels) * args.repeats * len(arms), desc="load", unit="run")
+        for c in levels:
+            for r in range(args.repeats):
+                for name, _ in arms:
+                    port = procs[name][1]
+                    ns = argparse.Namespace(
+                        base_url=f"http://127.0.0.1:{port}", model=None, num_requests=100000, concurrency=c,
+                        max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True,
+                        prompt="The quick brown fox jumps over the lazy dog while the cat watches from the warm window",
+                        shuffle_prompts=True, duration=args.duration, grace=30.0, seed=r)
+                    rep = asyncio.run(load_generator.run(ns))
+                    rep.pop("config")
+                    runs[name][c].append(rep)
+                    bar.set_postfix_str(f"c={c} {name} {rep['output_throughput_tok_s'] or 0:.0f} tok/s")
+                    bar.update()
+        bar.close()
+    finally:
+        for proc, _ in procs.values():
+            proc.terminate()
+        for proc, _ in procs.values():
+            proc.wait(timeout=60)
+
+    ref = arms[0][0]
+    table = {name: {c: float(np.median([x["output_throughput_tok_s"] or 0 for x in runs[name][c]])) for c in levels}
+             for name, _ in arms}
+    env = environment()
+    rows = [f"# Servers under the same load: output tok/s ({env['device']}, {os.cpu_count()} cores)\n",
+            f"jax {env['jax']}, python {env['python']}, {env['date']}, commit {env['commit']}; "
+            f"{args.duration:.0f} s per run, median of {args.repeats} interleaved runs, max_tokens "
+            f"{args.max_tokens}, T={args.temperature}.\n",
+            "| arm | flags | " + " | ".join(f"{c} streams (ratio to {ref})" for c in levels) + " |",
+            "|---|---|" + "---|" * len(levels)]
+    for name, flags in arms:
+        cells = [f"{table[name][c]:.1f} ({table[name][c] / table[ref][c]:.2f}x)" if table[ref][c] else "-"
+                 for c in levels]
+        rows.append(f"| {name} | `{flags or '(defaults)'}` | " + " | ".join(cells) + " |")
+    failed = sum(x["requests_failed"] for a in runs.values() for c in a.values() for x in c)
+    rows.append(f"\nFailed requests: {failed}.\n")
+    md = "\n".join(rows)
+    print(md)
+    write_results(args.name, {"environment": env, "arms": dict(arms), "concurrency": levels,
+                              "duration_s": args.duration, "repeats": args.repeats,
+                              "median_output_tok_s": table, "runs": runs}, md, args.out_dir)
+    return 0 if failed == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

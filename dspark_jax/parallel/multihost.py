@@ -1,0 +1,149 @@
+"""Several hosts: one JAX process per host, one engine spanning them, rank 0 in charge.
+
+``initialize`` joins the processes (``jax.distributed.initialize`` from --nnodes, --node-rank and
+--dist-init-addr; on CPU with gloo collectives).  Every process then builds the same engine over
+the global devices (a tensor-parallel mesh may span hosts) and must call the same compiled steps,
+in the same order, with the same host inputs.  The engine's host side is deterministic given its
+requests, so it is enough that every process sees the same requests at the same steps:
+
+- rank 0 wraps its engine in ``LeaderEngine``: every accepted ``add_request`` (with the seed it
+  drew) and every ``abort`` is recorded, and each ``step`` first broadcasts the recorded commands
+  to the other processes (``multihost_utils.broadcast_one_to_all``), then steps;
+- every other rank runs ``follow(engine)``: receive the commands, replay them, step; until rank 0
+  broadcasts "stop" (``LeaderEngine.close``).
+
+While idle, rank 0 broadcasts an empty command list about once a second (from
+``has_unfinished``, which the serving loop polls), so the followers' collective never waits long.
+Only rank 0 serves HTTP.  Timing must not steer what is computed: a DSpark cost table derived on
+each host would differ, so several hosts take a table file (or static verification).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+
+import numpy as np
+
+from dspark_jax.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0
+
+
+def initialize(nnodes: int, node_rank: int, dist_init_addr: str | None) -> bool:
+    """Join the nnodes processes (before anything else touches JAX); False for one node."""
+    if nnodes <= 1:
+        return False
+    import jax
+
+    if not dist_init_addr:
+        raise ValueError("several nodes need dist_init_addr (host:port of rank 0's coordinator)")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes; GPUs use NCCL
+    jax.distributed.initialize(coordinator_address=dist_init_addr, num_processes=nnodes, process_id=node_rank)
+    log.info("process %d of %d joined at %s: %d devices, %d local", jax.process_index(), jax.process_count(),
+             dist_init_addr, jax.device_count(), jax.local_device_count())
+    return True
+
+
+def _broadcast(commands: list | None) -> list:
+    """Rank 0's command list to every process (others pass None)."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    leader = jax.process_index() == 0
+    payload = json.dumps(commands).encode() if leader else b""
+    n = multihost_utils.broadcast_one_to_all(np.array([len(payload)], np.int32), is_source=leader)
+    size = max(256, 1 << int(int(n[0]) - 1).bit_length())  # a few buffer sizes: a few compiles
+    buf = np.zeros(size, np.uint8)
+    if leader:
+        buf[:len(payload)] = np.frombuffer(payload, np.uint8)
+    buf = multihost_utils.broadcast_one_to_all(buf, is_source=leader)
+    return commands if leader else json.loads(bytes(np.asarray(buf)[:int(n[0])]).decode())
+
+
+def _params(d: dict) -> SamplingParams:
+    d = dict(d)
+    d["stop_token_ids"], d["stop"] = tuple(d["stop_token_ids"]), tuple(d["stop"])
+    return SamplingParams(**d)
+
+
+class LeaderEngine:
+    """Rank 0's engine: the Engine's interface, its requests replayed on every other rank."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self._pending: list = []
+        self._last_broadcast = time.monotonic()
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        rid = self._engine.add_request(prompt, params, request_id)
+        req = self._engine.get_request(rid)
+        sent = dataclasses.replace(req.params, seed=req.seed)  # the followers draw no seeds of their own
+        self._pending.append(["add", list(map(int, req.prompt_ids)), dataclasses.asdict(sent), rid])
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        self._engine.abort(request_id)
+        self._pending.append(["abort", request_id])
+
+    def _send(self, tail: list) -> None:
+        commands, self._pending = self._pending + [tail], []
+        _broadcast(commands)
+        self._last_broadcast = time.monotonic()
+
+    def step(self):
+        self._send(["step"])
+        return self._engine.step()
+
+    def has_unfinished(self) -> bool:
+        busy = self._engine.has_unfinished()
+        if not busy and (self._pending or time.monotonic() - self._last_broadcast > HEARTBEAT_S):
+            self._send(["idle"])  # replays aborts at once; keeps the followers' collective short
+        return busy
+
+    def _drain(self):  # Engine.generate settles the step in flight: so must every rank
+        self._pending.append(["drain"])
+        return self._engine._drain()
+
+    def _release_finished(self) -> None:
+        self._pending.append(["release"])
+        self._engine._release_finished()
+
+    def generate(self, prompts, sampling=None):
+        """Engine.generate through this engine (its requests replayed on every rank)."""
+        from dspark_jax.engine.engine import Engine
+
+        return Engine.generate(self, prompts, sampling)
+
+    def close(self) -> None:
+        """Tell the followers to return."""
+        self._send(["stop"])
+
+
+def follow(engine) -> int:
+    """Run rank 0's requests on this rank's part of the engine until rank 0 closes; returns the
+    steps run."""
+    steps = 0
+    while True:
+        for cmd in _broadcast(None):
+            kind = cmd[0]
+            if kind == "add":
+                engine.add_request(cmd[1], _params(cmd[2]), request_id=cmd[3])
+            elif kind == "abort":
+                engine.abort(cmd[1])
+            elif kind == "drain":
+                engine._drain()
+            elif kind == "release":
+                engine._release_finished()
+            elif kind == "step":
+                engine.step()
+                steps += 1
+            elif kind == "stop":
+                return steps

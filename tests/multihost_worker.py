@@ -1,0 +1,53 @@
+"""One process of the two-process tensor-parallel test (tests/test_parallel.py): joins the other
+over localhost (gloo), builds a TP 2 engine spanning both processes' CPU devices and writes rank
+0's tokens as JSON.  Usage: python tests/multihost_worker.py RANK PORT OUT_JSON"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ.pop("XLA_FLAGS", None)  # one CPU device per process
+
+
+def main(rank: int, port: int, out: str) -> None:
+    from dspark_jax.parallel.multihost import initialize
+
+    initialize(2, rank, f"127.0.0.1:{port}")
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    from dspark_jax.engine import Engine, EngineConfig
+    from dspark_jax.parallel.multihost import LeaderEngine, follow
+    from dspark_jax.spec.config import SpeculativeConfig
+    from tests.test_mtp_engine import scaled_target
+    from tests.test_parallel import EC, GREEDY, SEEDED, V, _prompts
+    from tests.test_speculative_engine import repeat_biased_drafter
+
+    assert jax.process_count() == 2 and jax.device_count() == 2 and jax.local_device_count() == 1
+    target = scaled_target(vocab=V, attention_bias=True)
+    prompts = _prompts()
+    plain = Engine(target, None, EngineConfig(**EC, tp_size=2))
+    assert plain.parallel.devices == jax.devices()
+    result = {"spmd": [r.token_ids for r in plain.generate(prompts, GREEDY)]}  # every rank the same calls
+    dspark = Engine(target, None, EngineConfig(**EC, tp_size=2), drafter=repeat_biased_drafter(target),
+                    spec=SpeculativeConfig(mode="static"))
+    for name, eng in (("plain", plain), ("dspark", dspark)):
+        if rank == 0:  # rank 0 decides; rank 1 replays its requests and steps
+            lead = LeaderEngine(eng)
+            result[name] = [r.token_ids for r in lead.generate(prompts, GREEDY)]
+            result[name + "_seeded"] = [r.token_ids for r in lead.generate(prompts[:2], SEEDED)]
+            lead.close()
+        else:
+            follow(eng)
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
