@@ -103,10 +103,10 @@ class ReplicaRouter:
         live = [i for i in order if self.loops[i].alive] or order
         return min(live, key=self.load)
 
-    def submit(self, prompt_ids, params, loop, prefix: str = "req"):
+    def submit(self, prompt_ids, params, loop, prefix: str = "req", queue=None, index: int = 0):
         with self._lock:
             i = self.pick()
-            stream = self.loops[i].submit(prompt_ids, params, loop, prefix)
+            stream = self.loops[i].submit(prompt_ids, params, loop, prefix, queue, index)
             self._owner[stream.id] = (i, stream)
             if len(self._owner) > 4 * 1024:  # forget requests whose stream has ended
                 self._owner = {k: v for k, v in self._owner.items() if not v[1].finished}
