@@ -69,6 +69,9 @@ class ServerArgs:
                              choices=("float32", "bfloat16"))
     precompile: bool = _opt(True, help="compile every executable on first use instead of at start-up",
                             flag="--no-precompile")
+    logit_processors: str = _opt("lazy", help="logprobs, penalties, logit_bias, min_tokens: lazy (compiled on first "
+                                              "use), precompile (at start-up) or off (refused)",
+                                 choices=("lazy", "precompile", "off"))
     # -- server ----------------------------------------------------------------------------------
     served_model_name: str | None = _opt(help="name clients pass as 'model' (default: the folder name)", server=True)
     host: str = _opt("127.0.0.1", help="address to listen on", server=True)
@@ -159,7 +162,8 @@ class ServerArgs:
         num_pages = -(-self.max_total_tokens // self.page_size) + 1 if self.max_total_tokens else None  # + sentinel
         return EngineConfig(max_running_requests=self.max_running_requests, max_model_len=self.max_model_len,
                             page_size=self.page_size, num_pages=num_pages, max_prefill_tokens=self.max_prefill_tokens,
-                            kernels=self.kernels, dtype=self.dtype, precompile=self.precompile)
+                            kernels=self.kernels, dtype=self.dtype, precompile=self.precompile,
+                            logit_processors=self.logit_processors)
 
     def speculative_config(self):
         """The SpeculativeConfig of resolved args (None for plain decoding)."""
