@@ -71,7 +71,7 @@ class CompileProgress:
 
     def __init__(self, engine, bar: bool):
         kinds = collections.Counter(" ".join(w for w in label.split() if "=" not in w)
-                                    for label, _ in engine.worker.executables())
+                                    for label, _ in engine.executables())
         self.what = ", ".join(f"{n} {k}" for k, n in kinds.items())
         self.use_bar = bar
         self.bar = None

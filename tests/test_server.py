@@ -673,8 +673,7 @@ def test_startup_progress_and_quiet_backends(monkeypatch):
     labels = [f"plain decode tokens={t}" for t in (1, 2, 4)] + ["plain prefill tokens=16"]
 
     class Engine:
-        class worker:
-            executables = staticmethod(lambda: [(lb, lambda: None) for lb in labels])
+        executables = staticmethod(lambda: [(lb, lambda: None) for lb in labels])
 
         class runner:
             take_compile_spans = staticmethod(list)
