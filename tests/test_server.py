@@ -326,6 +326,43 @@ def test_logit_bias_min_tokens_and_penalties_change_the_output(server, client):
     _wait_idle(server)
 
 
+def test_processed_requests_equal_engine_generate(server, model_dir):
+    """The server's tokens and logprobs for penalties, logit_bias, min_tokens and logprobs equal
+    Engine.generate's for the same SamplingParams (a second engine over the same weights)."""
+    from dspark_jax.engine import Engine, EngineConfig
+    from dspark_jax.sampling import SamplingParams
+
+    prompt, forced = "while x <", 333
+    stop_id = _gen(server, {"text": prompt, "sampling_params": {"max_new_tokens": 1, **GREEDY}})["output_ids"][0]
+    cases = [  # (/generate sampling_params, top-level fields, SamplingParams)
+        ({"presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3},
+         {"return_logprob": True, "top_logprobs_num": 2},
+         SamplingParams(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3, logprobs=2)),
+        ({"logit_bias": {str(forced): 8.0, str(stop_id): -100}}, {},
+         SamplingParams(logit_bias={forced: 8.0, stop_id: -100.0})),
+        ({"stop_token_ids": [stop_id], "min_new_tokens": 3}, {"return_logprob": True},
+         SamplingParams(stop_token_ids=(stop_id,), min_tokens=3, logprobs=0)),
+        ({"temperature": 1.0, "seed": 7, "frequency_penalty": 1.0}, {"return_logprob": True, "top_logprobs_num": 4},
+         SamplingParams(temperature=1.0, seed=7, frequency_penalty=1.0, logprobs=4)),
+    ]
+    served = []
+    for sp, top, _ in cases:
+        body = {"text": prompt, **top, "sampling_params": {"max_new_tokens": 7, "ignore_eos": True, **GREEDY, **sp}}
+        served.append(_gen(server, body))
+    engine = Engine.from_pretrained(model_dir, EngineConfig(max_running_requests=MAX_RUNNING, max_prefill_tokens=256,
+                                                            max_model_len=MAX_MODEL_LEN, precompile=False))
+    results = engine.generate([prompt] * len(cases),
+                              [dataclasses.replace(p, max_new_tokens=7, ignore_eos=True) for *_, p in cases])
+    for (sp, top, _), g, r in zip(cases, served, results):
+        assert g["output_ids"] == r.token_ids, sp
+        if top.get("return_logprob"):
+            assert [v for v, _, _ in g["meta_info"]["output_token_logprobs"]] == pytest.approx(r.logprobs, abs=1e-4)
+            assert [[a for _, a, _ in t] for t in g["meta_info"]["output_top_logprobs"]] == \
+                [[a for a, _ in t] for t in r.top_logprobs]
+    assert stop_id not in results[1].token_ids  # biased -100
+    assert stop_id not in results[2].token_ids[:3] and len(results[2].token_ids) >= 3
+
+
 def test_best_of_returns_the_n_candidates_with_the_highest_cumulative_logprob(server, client):
     prompt, seed, best_of, n = "def sample(x):", 21, 4, 2
     kw = dict(model="tiny", prompt=prompt, max_tokens=6, logprobs=0, **SAMPLED, extra_body=NOEOS)
