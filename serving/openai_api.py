@@ -38,8 +38,9 @@ async def _serve(request: Request, parsed: ParsedRequest, prompt_ids: list[list[
     choices = await Choices.start(state, parsed.jobs(prompt_ids, state.max_model_len), shape.prefix)
     base = {"id": choices.id, "created": now(), "model": state.cfg.model_name}
     prompt_tokens = sum(len(ids) for ids in prompt_ids)  # once per prompt, not per choice
-    totals = lambda results: {"usage": usage(prompt_tokens, sum(len(r.token_ids) for r in results)),
-                              **(spec_ext(results) if parsed.spec_details else {})}
+    # usage counts every engine request (best_of candidates too); spec details the choices returned
+    totals = lambda results, kept: {"usage": usage(prompt_tokens, sum(len(r.token_ids) for r in results)),
+                                    **(spec_ext(kept) if parsed.spec_details else {})}
     texts = TokenTexts(state.engine.tokenizer)
     want_lp = parsed.logprobs is not None
     if not parsed.stream:
@@ -49,7 +50,7 @@ async def _serve(request: Request, parsed: ParsedRequest, prompt_ids: list[list[
             kept = [r for p in range(len(prompt_ids))
                     for r in sorted(results[p * per:(p + 1) * per], key=cumulative_logprob, reverse=True)[:n]]
         lp = lambda r: shape.logprobs(texts, r.token_ids, r.logprobs, r.top_logprobs)[0] if want_lp else None
-        return {**base, "object": shape.object, **totals(results),
+        return {**base, "object": shape.object, **totals(results, kept),
                 "choices": [shape.choice(i, r, echo[i // n], lp(r)) for i, r in enumerate(kept)]}
 
     async def gen():
@@ -69,7 +70,7 @@ async def _serve(request: Request, parsed: ParsedRequest, prompt_ids: list[list[
                 obj, offsets[i] = shape.logprobs(texts, ids, lp[0], lp[1], offsets[i])
             yield sse({**head, "choices": [shape.delta(i, text, r.finish_reason if r else None, obj)], **extra})
         if parsed.include_usage:
-            yield sse({**head, "choices": [], **totals(results)})
+            yield sse({**head, "choices": [], **totals(results, results)})
         yield SSE_DONE
 
     return sse_response(state, request, gen(), choices)

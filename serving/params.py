@@ -94,7 +94,8 @@ class ParsedRequest:
         for ids in prompt_ids:
             base = self.params
             if not self.max_tokens_given:  # the server's default, within the context the prompt leaves
-                base = dataclasses.replace(base, max_new_tokens=max(1, min(base.max_new_tokens, max_model_len - len(ids))))
+                new_max = max(1, min(base.max_new_tokens, max_model_len - len(ids)))
+                base = dataclasses.replace(base, max_new_tokens=new_max, min_tokens=min(base.min_tokens, new_max))
             for j in range(self.per_prompt):
                 seed = None if base.seed is None else (base.seed + j) % (UINT32_MAX + 1)
                 out.append((ids, dataclasses.replace(base, seed=seed)))

@@ -175,5 +175,7 @@ def test_choices_seeds_and_batches():
     assert single.batched and single.prompts == [[5, 6]] and not parse_completion({"prompt": [5, 6]}, LIM).batched
     c = parse_chat({"messages": [{"role": "user", "content": "x"}], "n": 2}, LIM, 10**6)
     assert [sp.max_new_tokens for _, sp in c.jobs([[1] * 100], LIM.max_model_len)] == [28, 28]
+    m = parse_chat({"messages": [{"role": "user", "content": "x"}], "min_tokens": 50}, LIM, 64)
+    assert [(sp.max_new_tokens, sp.min_tokens) for _, sp in m.jobs([[1] * 100], LIM.max_model_len)] == [(28, 28)]
     g = parse_generate({"text": ["a", "b"], "sampling_params": {"n": 2, "seed": 4}}, LIM)
     assert g.batched and [sp.seed for _, sp in g.jobs([[1], [2]], LIM.max_model_len)] == [4, 5, 4, 5]
