@@ -7,7 +7,8 @@
 
 Each of --streams clients loops until --duration-s: streaming and non-streaming requests to
 /v1/completions, /v1/chat/completions and /generate with mixed parameters (temperature, top_k,
-top_p, seeds, stop strings, n, best_of = n, echo, batched prompts of text or token ids, user);
+top_p, seeds, stop strings, penalties, logit_bias, logprobs, n, best_of = n, echo, batched
+prompts of text or token ids, user);
 clients that disconnect mid-stream; and bad requests (malformed JSON, lone surrogates, huge
 integers, bodies over the server's limit, refused parameters, unknown models, prompts over the
 context), each expecting its 4xx.  A failure is any other status, an exception, a mid-stream
@@ -107,6 +108,10 @@ class Traffic:
             p["stop"] = rng.sample(STOPS, rng.randint(1, 2))
         if rng.random() < 0.5:
             p["ignore_eos"] = True
+        if rng.random() < 0.15:  # logit processors (penalties, logit_bias)
+            p[rng.choice(["presence_penalty", "frequency_penalty"])] = rng.choice([-0.5, 0.5, 1.5])
+            p["repetition_penalty"] = rng.choice([1.0, 1.2])
+            p["logit_bias"] = {str(rng.choice(self.ids)): rng.choice([-100.0, -2.0, 3.0])}
         return p
 
     def prompt_ids(self) -> list[int]:
@@ -136,6 +141,8 @@ class Traffic:
             body["user"] = f"soak-{rng.randrange(1000)}"
         if endpoint == "chat":
             body["messages"] = [{"role": "user", "content": rng.choice(PROMPTS)}]
+            if rng.random() < 0.15:
+                body.update(logprobs=True, top_logprobs=rng.randint(0, 5))
             return Req("ok", endpoint, "/v1/chat/completions", body, stream, choices=n, max_tokens=max_tokens)
         kind = rng.choice(["text", "text", "ids", "text batch", "ids batch"])
         batch = rng.randint(2, 3) if "batch" in kind else 1
@@ -147,6 +154,8 @@ class Traffic:
             echo = [p if isinstance(p, str) else None for p in prompts]
         if rng.random() < 0.1:
             body["best_of"] = n
+        if echo is None and rng.random() < 0.15:
+            body["logprobs"] = rng.randint(0, 5)
         return Req("ok", endpoint, "/v1/completions", body, stream, choices=n * batch, max_tokens=max_tokens, echo=echo)
 
     def bad(self) -> Req:
@@ -160,14 +169,15 @@ class Traffic:
             ("huge int", "/v1/completions", b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", 400),
             ("huge int", "/generate", b'{"text": "hi", "sampling_params": {"seed": ' + b"7" * 300 + b"}}", 400),
             ("deep nesting", "/v1/completions", b'{"prompt": "hi", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400),
-            ("refused logprobs", "/v1/completions", {**hi, "logprobs": 2}, 400),
-            ("refused penalty", "/v1/chat/completions", {**chat, "presence_penalty": 0.5}, 400),
-            ("refused min_tokens", "/v1/completions", {**hi, "min_tokens": 3}, 400),
-            ("refused logit_bias", "/v1/chat/completions", {**chat, "logit_bias": {"5": 1.0}}, 400),
+            ("logprobs over 20", "/v1/completions", {**hi, "logprobs": 21}, 400),
+            ("penalty out of range", "/v1/chat/completions", {**chat, "presence_penalty": 2.5}, 400),
+            ("min_tokens over max_tokens", "/v1/completions", {**hi, "min_tokens": 5}, 400),
+            ("logit_bias outside the vocabulary", "/v1/chat/completions", {**chat, "logit_bias": {"999999999": 1.0}},
+             400),
             ("refused json mode", "/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}}, 400),
             ("refused tools", "/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
             ("refused regex", "/generate", {"text": "hi", "sampling_params": {"regex": "a+"}}, 400),
-            ("best_of > n", "/v1/completions", {**hi, "n": 1, "best_of": 3}, 400),
+            ("best_of > n streamed", "/v1/completions", {**hi, "n": 1, "best_of": 3, "stream": True}, 400),
             ("n too large", "/v1/completions", {**hi, "n": info.get("max_choices", 128) + 1}, 400),
             ("unknown field", "/v1/completions", {**hi, "frobnicate": 1}, 400),
             ("wrong type", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": "8"}}, 400),

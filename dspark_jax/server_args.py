@@ -69,6 +69,9 @@ class ServerArgs:
                              choices=("float32", "bfloat16"))
     precompile: bool = _opt(True, help="compile every executable on first use instead of at start-up",
                             flag="--no-precompile")
+    logit_processors: str = _opt("lazy", help="logprobs, penalties, logit_bias, min_tokens: lazy (compiled on first "
+                                              "use), precompile (at start-up) or off (refused)",
+                                 choices=("lazy", "precompile", "off"))
     # -- parallelism (SGLang's names) --------------------------------------------------------------
     tp_size: int = _opt(1, help="tensor parallelism: devices one engine's model is split over (Megatron style)")
     dp_size: int = _opt(1, help="data parallelism: engine replicas of tp-size devices each; the server "
@@ -187,7 +190,7 @@ class ServerArgs:
         return EngineConfig(max_running_requests=self.max_running_requests, max_model_len=self.max_model_len,
                             page_size=self.page_size, num_pages=num_pages, max_prefill_tokens=self.max_prefill_tokens,
                             kernels=self.kernels, dtype=self.dtype, precompile=self.precompile,
-                            tp_size=self.tp_size, dp_size=self.dp_size)
+                            tp_size=self.tp_size, dp_size=self.dp_size, logit_processors=self.logit_processors)
 
     def speculative_config(self):
         """The SpeculativeConfig of resolved args (None for plain decoding)."""

@@ -4,7 +4,7 @@
     ids = await tokenize(state, fn, prompts, param="prompt")  # on the tokenize pool
     choices = await Choices.start(state, jobs, "cmpl")      # every engine request queued, or an error
     results = await choices.results(request)                # non-streaming
-    async for index, text, new_ids, result in choices.deltas(stops): ...   # streaming
+    async for index, text, new_ids, lp, result in choices.deltas(stops): ...   # streaming
     return sse_response(state, request, gen, choices)
 
 One HTTP request may stand for several engine requests (n choices, a batch of prompts): they
@@ -120,7 +120,7 @@ class Choices:
         return item
 
     async def next(self) -> tuple[int, tuple]:
-        """(choice index, ("delta", ids, text) or ("done", result)) of whichever choice moves
+        """(choice index, ("delta", ids, text, lp) or ("done", result)) of whichever choice moves
         next; an error event raises the ApiError it means."""
         while True:
             stream, ev = self._early.popleft() if self._early else self._take(await self.queue.get())
@@ -157,15 +157,16 @@ class Choices:
             self.abort()
 
     async def deltas(self, stops):
-        """Streaming: yields (index, text delta, new ids, result or None) until every choice is done."""
+        """Streaming: yields (index, text delta, new ids, their (logprobs, top logprobs) or None,
+        result or None) until every choice is done."""
         texts, left = [TextDeltas(stops) for _ in self.streams], len(self.streams)
         while left:
             i, ev = await self.next()
             if ev[0] == "delta":
-                yield i, texts[i].update(ev[2]), ev[1], None
+                yield i, texts[i].update(ev[2]), ev[1], ev[3], None
             else:
                 left -= 1
-                yield i, texts[i].final(ev[1].text), [], ev[1]
+                yield i, texts[i].final(ev[1].text), [], None, ev[1]
 
 
 def error_response(state: ServerState | None, err: ApiError, request: Request | None = None) -> JSONResponse:

@@ -7,7 +7,8 @@ queue on the HTTP loop with `loop.call_soon_threadsafe` (the choices of one HTTP
 queue).  Events of one request, in order:
 
     ("accepted", {"prompt_tokens": n})   the engine queued the request
-    ("delta", new_ids, text_so_far)      tokens committed by one engine step
+    ("delta", new_ids, text_so_far, lp)  tokens committed by one engine step; lp: their
+                                         (logprobs, top logprobs) when the request asked, else None
     ("done", GenerationResult)           finished (stop, length or abort); nothing follows
     ("error", exception)                 failed; nothing follows.  InvalidRequestError: the engine
                                          refused it (400); RequestFailedError: handling this request
@@ -263,7 +264,9 @@ class EngineLoop:
         """Push one request's new tokens (and its end) to its stream."""
         stream = self._streams.get(req.id)
         if stream is not None and ids:
-            stream.push(("delta", list(ids), req.text))
+            k = len(ids)
+            lp = (req.logprobs[-k:], req.top_logprobs[-k:]) if req.logprobs is not None else None
+            stream.push(("delta", list(ids), req.text, lp))
         if req.finish_reason is not None:  # finished this step
             self._streams.pop(req.id, None)
             self._finish(req, stream)

@@ -5,6 +5,9 @@
 One prompt with n = 1 answers one object {"text", "output_ids", "meta_info"}; a batch of prompts
 or n > 1 answers a list of them, prompt-major (index = prompt_index * n + j).  A stream sends
 cumulative text and ids per chunk; with several choices each chunk also names its "index".
+With return_logprob, meta_info carries output_token_logprobs ([logprob, token id, None] per
+token, SGLang's shape) and output_top_logprobs (top_logprobs_num of them per token), cumulative
+like the text.
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ from serving.responses import SSE_DONE, generate_item, sse
 router = APIRouter()
 
 
+def _lp(result):
+    return (result.logprobs, result.top_logprobs) if result.logprobs is not None else None
+
+
 @router.post("/generate", openapi_extra=body_schema(GenerateRequest))
 async def generate(request: Request):
     state = state_of(request)
@@ -30,16 +37,20 @@ async def generate(request: Request):
     prompt_len = [len(ids) for ids in prompt_ids for _ in range(parsed.n)]
     if not parsed.stream:
         results = await choices.results(request)
-        items = [generate_item(s.id, r.text, r.token_ids, prompt_len[i], r)
+        items = [generate_item(s.id, r.text, r.token_ids, prompt_len[i], r, _lp(r))
                  for i, (s, r) in enumerate(zip(choices.streams, results))]
         return items if many else items[0]
 
     async def gen():
         texts, ids = [""] * len(prompt_len), [[] for _ in prompt_len]
-        async for i, delta, new_ids, r in choices.deltas(parsed.params.stop):
+        lps = [([], []) for _ in prompt_len]
+        async for i, delta, new_ids, lp, r in choices.deltas(parsed.params.stop):
             texts[i] += delta
             ids[i] = r.token_ids if r is not None else ids[i] + new_ids
-            item = generate_item(choices.streams[i].id, texts[i], ids[i], prompt_len[i], r)
+            if lp is not None:
+                lps[i] = (lps[i][0] + lp[0], lps[i][1] + lp[1])
+            item = generate_item(choices.streams[i].id, texts[i], ids[i], prompt_len[i], r,
+                                 (_lp(r) if r is not None else lps[i]) if parsed.logprobs is not None else None)
             yield sse({**item, "index": i} if many else item)
         yield SSE_DONE
 

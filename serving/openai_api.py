@@ -3,7 +3,9 @@
 Both generation endpoints run one engine request per choice (n per prompt; a batch of prompts
 on /v1/completions), indexed prompt-major; see serving/params.py for what each parameter means.
 A stream interleaves the choices' chunks as they come, each naming its `index`; with
-``stream_options.include_usage`` one last chunk carries the usage of them all.
+``stream_options.include_usage`` one last chunk carries the usage of them all.  With logprobs
+each choice (and each stream chunk, for its own tokens) carries OpenAI's logprobs object:
+completions {tokens, token_logprobs, top_logprobs, text_offset}, chat {content: [...]}.
 """
 
 from __future__ import annotations
@@ -15,23 +17,41 @@ from serving.chat import render_chat
 from serving.dispatch import Choices, check_model, read_request, sse_response, state_of, tokenize
 from serving.params import ParsedRequest, parse_chat, parse_completion
 from serving.protocol import ChatCompletionRequest, CompletionRequest, body_schema
-from serving.responses import SSE_DONE, ChatShape, CompletionShape, now, spec_ext, sse, usage
+from serving.responses import (
+    SSE_DONE,
+    ChatShape,
+    CompletionShape,
+    TokenTexts,
+    cumulative_logprob,
+    now,
+    spec_ext,
+    sse,
+    usage,
+)
 
 router = APIRouter()
 
 
 async def _serve(request: Request, parsed: ParsedRequest, prompt_ids: list[list[int]], shape, echo: list[str]):
     """Run every choice of a parsed completion or chat request; answer in `shape`."""
-    state, n = state_of(request), parsed.n
+    state, n, per = state_of(request), parsed.n, parsed.per_prompt
     choices = await Choices.start(state, parsed.jobs(prompt_ids, state.max_model_len), shape.prefix)
     base = {"id": choices.id, "created": now(), "model": state.cfg.model_name}
     prompt_tokens = sum(len(ids) for ids in prompt_ids)  # once per prompt, not per choice
-    totals = lambda results: {"usage": usage(prompt_tokens, sum(len(r.token_ids) for r in results)),
-                              **(spec_ext(results) if parsed.spec_details else {})}
+    # usage counts every engine request (best_of candidates too); spec details the choices returned
+    totals = lambda results, kept: {"usage": usage(prompt_tokens, sum(len(r.token_ids) for r in results)),
+                                    **(spec_ext(kept) if parsed.spec_details else {})}
+    texts = TokenTexts(state.engine.tokenizer)
+    want_lp = parsed.logprobs is not None
     if not parsed.stream:
         results = await choices.results(request)
-        return {**base, "object": shape.object, **totals(results),
-                "choices": [shape.choice(i, r, echo[i // n]) for i, r in enumerate(results)]}
+        kept = results
+        if per > n:  # best_of: the n candidates of each prompt with the highest cumulative logprob, best first
+            kept = [r for p in range(len(prompt_ids))
+                    for r in sorted(results[p * per:(p + 1) * per], key=cumulative_logprob, reverse=True)[:n]]
+        lp = lambda r: shape.logprobs(texts, r.token_ids, r.logprobs, r.top_logprobs)[0] if want_lp else None
+        return {**base, "object": shape.object, **totals(results, kept),
+                "choices": [shape.choice(i, r, echo[i // n], lp(r)) for i, r in enumerate(kept)]}
 
     async def gen():
         head = {**base, "object": shape.chunk_object}
@@ -40,13 +60,17 @@ async def _serve(request: Request, parsed: ParsedRequest, prompt_ids: list[list[
             if (opening := shape.opening(i, echo[i // n])) is not None:
                 yield sse({**head, "choices": [opening], **extra})
         results = [None] * parsed.num_choices
-        async for i, text, _ids, r in choices.deltas(parsed.params.stop):
-            if r is None and not text:
+        offsets = [len(e) for e in echo for _ in range(n)]
+        async for i, text, ids, lp, r in choices.deltas(parsed.params.stop):
+            if r is None and not text and lp is None:
                 continue
             results[i] = r
-            yield sse({**head, "choices": [shape.delta(i, text, r.finish_reason if r else None)], **extra})
+            obj = None
+            if want_lp and lp is not None:
+                obj, offsets[i] = shape.logprobs(texts, ids, lp[0], lp[1], offsets[i])
+            yield sse({**head, "choices": [shape.delta(i, text, r.finish_reason if r else None, obj)], **extra})
         if parsed.include_usage:
-            yield sse({**head, "choices": [], **totals(results)})
+            yield sse({**head, "choices": [], **totals(results, results)})
         yield SSE_DONE
 
     return sse_response(state, request, gen(), choices)

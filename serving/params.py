@@ -14,21 +14,30 @@ Several choices, all request-level (so they hold at every speculative setting):
   what shares its batch: plain decoding, static DSpark rounds, MTP, and greedy everywhere.
   Compact / cap-accept verify windows are chosen across the batch, so there a sampled request's
   tokens, n or not, depend on its batch; the distribution does not.)
-- ``best_of``: accepted when it equals n; above n it would need log probabilities to rank the
-  candidates, which the engine does not return yet, so it is refused.
+- ``best_of`` (/v1/completions): best_of engine requests per prompt (seeds as for n), of which
+  the n with the highest cumulative logprob are returned, best first (vLLM); refused with
+  ``stream``.  Usage counts every candidate's tokens.
 - a batch of prompts (/v1/completions ``prompt``, /generate ``text`` / ``input_ids`` as a list):
   choice index = prompt_index * n + j (prompt-major, like vLLM); every prompt uses the same
   seeds, so a batch equals one request per prompt.  Usage sums over prompts (prompt tokens are
   counted once per prompt, not per choice).
 - ``echo`` (/v1/completions): the prompt text is prepended to each choice's text.
 
-At most `Limits.max_choices` engine requests per HTTP request (prompts x n).
+At most `Limits.max_choices` engine requests per HTTP request (prompts x max(n, best_of)).
+
+Logprobs, penalties, logit bias and min_tokens (dspark_jax/logit_processors.py, logprobs.py):
+/v1/completions ``logprobs: k``, chat ``logprobs: true`` + ``top_logprobs: k``, /generate
+``return_logprob`` + ``top_logprobs_num: k`` ask for each token's raw logprob and the top k;
+``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``min_tokens`` (/generate:
+``min_new_tokens``) and ``logit_bias`` go to SamplingParams as they are.  An engine without
+logit processors (``--logit-processors off``) refuses them all with a 400 naming them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from dspark_jax.errors import InvalidRequestError
 from dspark_jax.sampling import SamplingParams
 from serving.errors import ApiError, short
 from serving.protocol import (
@@ -52,6 +61,7 @@ class Limits:
     max_stop_strings: int = 16
     max_stop_chars: int = 256
     max_choices: int = 128  # engine requests per HTTP request (prompts x n)
+    logit_processors: bool = True  # the engine runs logprobs, penalties, logit bias, min_tokens
 
 
 @dataclasses.dataclass
@@ -66,10 +76,17 @@ class ParsedRequest:
     model: str | None = None
     echo: bool = False
     max_tokens_given: bool = True  # chat: False when the server picks max_tokens
+    logprobs: int | None = None  # top k the client asked for (None: no logprobs in the answer)
+    best_of: int | None = None  # > n: candidates per prompt, the best n returned
+
+    @property
+    def per_prompt(self) -> int:
+        """Engine requests per prompt."""
+        return max(self.n, self.best_of or 0)
 
     @property
     def num_choices(self) -> int:
-        return len(self.prompts) * self.n
+        return len(self.prompts) * self.per_prompt
 
     def jobs(self, prompt_ids: list[list[int]], max_model_len: int) -> list[tuple[list[int], SamplingParams]]:
         """One (token ids, params) per choice, in choice-index order (prompt-major)."""
@@ -77,8 +94,9 @@ class ParsedRequest:
         for ids in prompt_ids:
             base = self.params
             if not self.max_tokens_given:  # the server's default, within the context the prompt leaves
-                base = dataclasses.replace(base, max_new_tokens=max(1, min(base.max_new_tokens, max_model_len - len(ids))))
-            for j in range(self.n):
+                new_max = max(1, min(base.max_new_tokens, max_model_len - len(ids)))
+                base = dataclasses.replace(base, max_new_tokens=new_max, min_tokens=min(base.min_tokens, new_max))
+            for j in range(self.per_prompt):
                 seed = None if base.seed is None else (base.seed + j) % (UINT32_MAX + 1)
                 out.append((ids, dataclasses.replace(base, seed=seed)))
         return out
@@ -119,8 +137,15 @@ def _max_tokens(v, default: int, lim: Limits, name: str) -> int:
     return v
 
 
-def _sampling(r, lim: Limits, max_new_tokens: int, seed) -> SamplingParams:
-    return SamplingParams(
+_PROCESSOR_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias")
+
+
+def _sampling(r, lim: Limits, max_new_tokens: int, seed, *, logprobs: int | None = None,
+              min_tokens_name: str = "min_tokens", asked: tuple[str, ...] = ()) -> SamplingParams:
+    """SamplingParams of a request's sampling fields; `asked`: the logprob parameters it set
+    (named when the engine has no logit processors)."""
+    min_tokens = getattr(r, min_tokens_name, None) or 0
+    p = SamplingParams(
         max_new_tokens=max_new_tokens,
         temperature=1.0 if r.temperature is None else float(r.temperature),
         top_p=1.0 if r.top_p is None else float(r.top_p),
@@ -129,7 +154,25 @@ def _sampling(r, lim: Limits, max_new_tokens: int, seed) -> SamplingParams:
         stop=_stop(r.stop, lim),
         stop_token_ids=_stop_ids(r.stop_token_ids, lim),
         ignore_eos=bool(r.ignore_eos),
+        logprobs=logprobs,
+        presence_penalty=r.presence_penalty or 0.0,
+        frequency_penalty=r.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if r.repetition_penalty is None else r.repetition_penalty,
+        min_tokens=min_tokens,
+        logit_bias=dict(r.logit_bias or {}),
     )
+    if not lim.logit_processors and p.needs_processed_steps:
+        names = [*asked, *(min_tokens_name if f == "min_tokens" else f for f in _PROCESSOR_FIELDS
+                           if getattr(p, f) != getattr(SamplingParams, f, None) and (f != "logit_bias" or p.logit_bias))]
+        raise ApiError(f"{', '.join(map(repr, names))} {'is' if len(names) == 1 else 'are'} not supported by this "
+                       "server: it runs without logit processors (--logit-processors off)", param=names[0])
+    try:
+        p.validate(vocab_size=lim.vocab_size)
+    except InvalidRequestError as e:
+        name = str(e).split(" ", 1)[0]
+        raise ApiError(str(e).replace("min_tokens", min_tokens_name),
+                       param=min_tokens_name if name == "min_tokens" else name) from None
+    return p
 
 
 def _prompts(p, name: str) -> tuple[list, bool]:
@@ -152,23 +195,37 @@ def _choices(n: int | None, num_prompts: int, lim: Limits, name: str = "n") -> i
     return n
 
 
-def _openai_common(r, lim: Limits, max_new_tokens: int, num_prompts: int) -> dict:
-    return {"params": _sampling(r, lim, max_new_tokens, r.seed), "n": _choices(r.n, num_prompts, lim),
+def _openai_common(r, lim: Limits, max_new_tokens: int, num_prompts: int, logprobs: int | None = None,
+                   asked: tuple[str, ...] = (), engine_logprobs: int | None = None, per_prompt: int | None = None) -> dict:
+    n = _choices(r.n, num_prompts, lim)
+    if per_prompt is not None and per_prompt > n:
+        _choices(per_prompt, num_prompts, lim, "best_of")
+    elp = logprobs if engine_logprobs is None else engine_logprobs
+    return {"params": _sampling(r, lim, max_new_tokens, r.seed, logprobs=elp, asked=asked), "n": n,
             "stream": bool(r.stream), "include_usage": bool(r.stream_options and r.stream_options.include_usage),
-            "spec_details": bool(r.return_spec_tokens_details), "model": r.model}
+            "spec_details": bool(r.return_spec_tokens_details), "model": r.model, "logprobs": logprobs}
 
 
 def parse_completion(body: dict, lim: Limits) -> ParsedRequest:
     r: CompletionRequest = validate(CompletionRequest, body)
     prompts, batched = _prompts(r.prompt, "prompt")
-    common = _openai_common(r, lim, _max_tokens(r.max_tokens, 16, lim, "max_tokens"), len(prompts))
-    if r.best_of is not None and r.best_of != common["n"]:
-        if r.best_of < common["n"]:
-            raise ApiError(f"'best_of' must be >= n ({common['n']}), got {r.best_of}", param="best_of")
-        raise ApiError(f"'best_of' > n is not supported by this server: ranking {r.best_of} candidates to return the "
-                       f"best {common['n']} needs log probabilities, which are not computed yet; send best_of = n "
-                       "or leave it out", param="best_of")
-    return ParsedRequest(prompts, batched=batched, echo=bool(r.echo), **common)
+    n = 1 if r.n is None else r.n
+    best_of = None
+    if r.best_of is not None and r.best_of != n:
+        if r.best_of < n:
+            raise ApiError(f"'best_of' must be >= n ({n}), got {r.best_of}", param="best_of")
+        if r.stream:
+            raise ApiError("'best_of' > n cannot be streamed (the best candidates are known only at the end)",
+                           param="best_of")
+        best_of = r.best_of
+    if r.echo and r.logprobs is not None:
+        raise ApiError("'logprobs' with 'echo' is not supported by this server (no prompt logprobs)", param="logprobs")
+    asked = ("logprobs",) if r.logprobs is not None else ("best_of",) if best_of else ()
+    # best_of ranks by cumulative logprob: the engine computes them even when not returned
+    engine_lp = r.logprobs if r.logprobs is not None else (0 if best_of else None)
+    common = _openai_common(r, lim, _max_tokens(r.max_tokens, 16, lim, "max_tokens"), len(prompts), r.logprobs,
+                            asked, engine_lp, best_of)
+    return ParsedRequest(prompts, batched=batched, echo=bool(r.echo), best_of=best_of, **common)
 
 
 def parse_chat(body: dict, lim: Limits, default_max_tokens: int) -> ParsedRequest:
@@ -191,7 +248,11 @@ def parse_chat(body: dict, lim: Limits, default_max_tokens: int) -> ParsedReques
     key = "max_completion_tokens" if r.max_completion_tokens is not None else "max_tokens"
     given = getattr(r, key)
     max_new = _max_tokens(given, default_max_tokens, lim, key)
-    return ParsedRequest([messages], **_openai_common(r, lim, max_new, 1), max_tokens_given=given is not None)
+    if r.top_logprobs and not r.logprobs:
+        raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    logprobs = (r.top_logprobs or 0) if r.logprobs else None
+    return ParsedRequest([messages], **_openai_common(r, lim, max_new, 1, logprobs, ("logprobs",) if r.logprobs else ()),
+                         max_tokens_given=given is not None)
 
 
 def parse_generate(body: dict, lim: Limits) -> ParsedRequest:
@@ -205,5 +266,10 @@ def parse_generate(body: dict, lim: Limits) -> ParsedRequest:
     if sp.seed is not None and sp.sampling_seed is not None and sp.seed != sp.sampling_seed:
         raise ApiError("'sampling_params.seed' and 'sampling_params.sampling_seed' differ", param="seed")
     seed = sp.seed if sp.seed is not None else sp.sampling_seed
-    params = _sampling(sp, lim, _max_tokens(sp.max_new_tokens, 128, lim, "max_new_tokens"), seed)
-    return ParsedRequest(prompts, params, n=_choices(sp.n, len(prompts), lim), batched=batched, stream=bool(r.stream))
+    if r.top_logprobs_num and not r.return_logprob:
+        raise ApiError("'top_logprobs_num' needs 'return_logprob': true", param="top_logprobs_num")
+    logprobs = (r.top_logprobs_num or 0) if r.return_logprob else None
+    params = _sampling(sp, lim, _max_tokens(sp.max_new_tokens, 128, lim, "max_new_tokens"), seed, logprobs=logprobs,
+                       min_tokens_name="min_new_tokens", asked=("return_logprob",) if r.return_logprob else ())
+    return ParsedRequest(prompts, params, n=_choices(sp.n, len(prompts), lim), batched=batched, stream=bool(r.stream),
+                         logprobs=logprobs)

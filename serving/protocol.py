@@ -3,9 +3,9 @@
 Request bodies are declared as strict pydantic models (they also give the OpenAPI schema): a
 wrong type, an out-of-range value or an unknown field is a 400 naming the field.  Nothing is
 ignored silently: a parameter that would change the output but is not implemented is refused
-(`UNSUPPORTED`) unless it holds its neutral value (e.g. ``repetition_penalty: 1``,
-``logit_bias: {}``).  Accepted and ignored, because they cannot change the output: ``user``,
-``safety_identifier`` and ``metadata`` (ids and tags for the caller's own bookkeeping).
+(`UNSUPPORTED`) unless it holds its neutral value (e.g. ``min_p: 0``, ``tools: []``).  Accepted
+and ignored, because they cannot change the output: ``user``, ``safety_identifier`` and
+``metadata`` (ids and tags for the caller's own bookkeeping).
 
 What the accepted fields mean, and their defaults, is in serving/params.py.
 """
@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from dspark_jax.logprobs import MAX_LOGPROBS
 from serving.chat import ROLES
 from serving.errors import ApiError, api_error_from_validation, short
 
@@ -33,7 +34,8 @@ Seed = Annotated[int, Field(ge=0, le=UINT32_MAX, description="sampling seed (uin
 TopK = Annotated[int, Field(ge=-1, le=INT32_MAX, description="keep the k most likely tokens; 0 or -1: no cut")]
 Temperature = Annotated[float, Field(ge=0, le=100, description="0 is greedy")]
 TopP = Annotated[float, Field(gt=0, le=1)]
-Penalty = Annotated[float, Field(ge=-2, le=2, description="not implemented: only 0 is accepted")]
+Penalty = Annotated[float, Field(ge=-2, le=2, description="OpenAI presence / frequency penalty")]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS, description=f"alternatives per token (at most {MAX_LOGPROBS})")]
 N = Annotated[int, Field(ge=1, description="choices per prompt: n engine requests")]
 Stop = str | list[str]
 
@@ -55,9 +57,10 @@ class _SamplingFields(_Strict):
     ignore_eos: bool | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: float | None = Field(None, description="not implemented: only 1")
+    repetition_penalty: float | None = Field(None, gt=0, description="HF / vLLM: > 1 discourages prompt and "
+                                                                       "generated tokens")
     min_p: float | None = Field(None, description="not implemented: only 0")
-    logit_bias: dict[str, float] | None = Field(None, description="not implemented: only {} is accepted")
+    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100], added to its logit")
     skip_special_tokens: bool | None = Field(None, description="only true")
     regex: Any = Field(None, description="not implemented")
     json_schema: Any = Field(None, description="not implemented")
@@ -75,7 +78,7 @@ class _OpenAIFields(_SamplingFields):
     user: str | None = Field(None, description="accepted and ignored")
     safety_identifier: str | None = Field(None, description="accepted and ignored")
     return_spec_tokens_details: bool | None = Field(None, description="add sglext.spec_tokens_details")
-    min_tokens: int | None = Field(None, description="not implemented: only 0")
+    min_tokens: int | None = Field(None, ge=0, description="EOS and stop_token_ids are masked until this many tokens")
 
 
 class CompletionRequest(_OpenAIFields):
@@ -84,10 +87,11 @@ class CompletionRequest(_OpenAIFields):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         description="text or token ids, or a batch of either (choices are indexed prompt-major)")
     max_tokens: int | None = Field(None, ge=1, description="default 16")
-    best_of: int | None = Field(None, ge=1, description="only n (ranking candidates needs log probabilities)")
+    best_of: int | None = Field(None, ge=1, description="generate best_of, return the n with the highest cumulative "
+                                                        "logprob (not with stream)")
     echo: bool | None = Field(None, description="prepend the prompt to each choice's text")
     suffix: str | None = Field(None, description="not implemented")
-    logprobs: int | None = Field(None, description="not implemented")
+    logprobs: TopLogprobs | None = Field(None, description="return each token's logprob and this many alternatives")
 
 
 class TextPart(_Strict):
@@ -109,8 +113,8 @@ class ChatCompletionRequest(_OpenAIFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="default: ServerConfig.default_chat_max_tokens")
     max_completion_tokens: int | None = Field(None, ge=1, description="alias of max_tokens (wins when both are set)")
-    logprobs: bool | None = Field(None, description="not implemented: only false")
-    top_logprobs: int | None = Field(None, description="not implemented: only 0")
+    logprobs: bool | None = Field(None, description="return each token's logprob")
+    top_logprobs: TopLogprobs | None = Field(None, description="alternatives per token (needs logprobs: true)")
     tools: list[Any] | None = Field(None, description="not implemented: only []")
     tool_choice: Any = Field(None, description='not implemented: only "none"')
     parallel_tool_calls: Any = Field(None, description="not implemented")
@@ -123,7 +127,7 @@ class ChatCompletionRequest(_OpenAIFields):
 class GenerateSamplingParams(_SamplingFields):
     max_new_tokens: int | None = Field(None, ge=1, description="default 128")
     sampling_seed: Seed | None = Field(None, description="alias of seed")
-    min_new_tokens: int | None = Field(None, description="not implemented: only 0")
+    min_new_tokens: int | None = Field(None, ge=0, description="EOS and stop_token_ids are masked until this many")
     no_stop_trim: bool | None = Field(None, description="only false")
     structural_tag: Any = Field(None, description="not implemented")
 
@@ -135,8 +139,9 @@ class GenerateRequest(_Strict):
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: GenerateSamplingParams | None = None
     stream: bool | None = None
-    return_logprob: bool | None = Field(None, description="not implemented: only false")
-    top_logprobs_num: int | None = Field(None, description="not implemented: only 0")
+    return_logprob: bool | None = Field(None, description="meta_info output_token_logprobs: [logprob, id, None]")
+    top_logprobs_num: TopLogprobs | None = Field(None, description="meta_info output_top_logprobs per token "
+                                                                   "(needs return_logprob)")
 
 
 REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, GenerateRequest)
@@ -151,21 +156,9 @@ def body_schema(model) -> dict:
 # Parameters that change the output but are not implemented: name -> (holds its neutral value,
 # what is accepted).  A non-neutral value is refused with a 400 naming the parameter.  Enabling
 # one is deleting its line here (and passing it on in serving/params.py).
-_LOGPROBS = "log probabilities are not returned"
-_NO_PENALTY = "only 0 (no penalty) is accepted"
 UNSUPPORTED: dict[str, tuple] = {
     "suffix": (lambda v: v == "", "only an empty suffix is accepted"),
-    "logprobs": (lambda v: v is False, _LOGPROBS),
-    "top_logprobs": (lambda v: v == 0, _LOGPROBS),
-    "return_logprob": (lambda v: v is False, _LOGPROBS),
-    "top_logprobs_num": (lambda v: v == 0, _LOGPROBS),
-    "presence_penalty": (lambda v: v == 0, _NO_PENALTY),
-    "frequency_penalty": (lambda v: v == 0, _NO_PENALTY),
-    "repetition_penalty": (lambda v: v == 1, "only 1 (no penalty) is accepted"),
     "min_p": (lambda v: v == 0, "only 0 is accepted"),
-    "min_tokens": (lambda v: v == 0, "only 0 is accepted"),
-    "min_new_tokens": (lambda v: v == 0, "only 0 is accepted"),
-    "logit_bias": (lambda v: not v, "only an empty object is accepted"),
     "response_format": (lambda v: v == {"type": "text"},
                         'only {"type": "text"} is accepted (no JSON mode or structured output)'),
     "tools": (lambda v: not v, "no tool calling"),

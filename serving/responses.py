@@ -74,6 +74,46 @@ class TextDeltas:
         return delta
 
 
+# -- logprobs ----------------------------------------------------------------------------------
+
+class TokenTexts:
+    """Token id -> its text, decoded alone (special tokens kept), cached for one response."""
+
+    def __init__(self, tokenizer):
+        self.tok, self._cache = tokenizer, {}
+
+    def __call__(self, tid: int) -> str:
+        s = self._cache.get(tid)
+        if s is None:
+            s = self._cache[tid] = (self.tok.decode([tid], skip_special_tokens=False) if self.tok is not None
+                                    else f"<{tid}>")
+        return s
+
+    def completion(self, ids, lps, tops, offset: int = 0) -> tuple[dict, int]:
+        """OpenAI completions logprobs of tokens whose text starts at `offset` -> (object, end offset).
+        top_logprobs holds the top k and the chosen token (up to k + 1 entries, as OpenAI)."""
+        tokens = [self(t) for t in ids]
+        offsets = []
+        for s in tokens:
+            offsets.append(offset)
+            offset += len(s)
+        top = [{**{self(t): v for t, v in alts}, tokens[i]: lps[i]} for i, alts in enumerate(tops)]
+        return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top, "text_offset": offsets}, offset
+
+    def _entry(self, tid: int, lp: float) -> dict:
+        s = self(tid)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    def chat(self, ids, lps, tops) -> dict:
+        """OpenAI chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+        return {"content": [{**self._entry(t, lp), "top_logprobs": [self._entry(a, v) for a, v in alts]}
+                            for t, lp, alts in zip(ids, lps, tops)]}
+
+
+def cumulative_logprob(result) -> float:
+    return float(sum(result.logprobs or ()))
+
+
 # -- OpenAI ------------------------------------------------------------------------------------
 
 class CompletionShape:
@@ -82,12 +122,16 @@ class CompletionShape:
     prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
 
     @staticmethod
-    def choice(index: int, result, echo: str = "") -> dict:
-        return {"index": index, "text": echo + result.text, "logprobs": None, "finish_reason": result.finish_reason}
+    def choice(index: int, result, echo: str = "", logprobs: dict | None = None) -> dict:
+        return {"index": index, "text": echo + result.text, "logprobs": logprobs, "finish_reason": result.finish_reason}
 
     @staticmethod
-    def delta(index: int, text: str, finish: str | None) -> dict:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+    def delta(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    @staticmethod
+    def logprobs(texts: TokenTexts, ids, lps, tops, offset: int = 0) -> tuple[dict, int]:
+        return texts.completion(ids, lps, tops, offset)
 
     @classmethod
     def opening(cls, index: int, echo: str = "") -> dict | None:
@@ -100,13 +144,18 @@ class ChatShape:
     prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     @staticmethod
-    def choice(index: int, result, echo: str = "") -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
+    def choice(index: int, result, echo: str = "", logprobs: dict | None = None) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": result.text}, "logprobs": logprobs,
                 "finish_reason": result.finish_reason}
 
     @staticmethod
-    def delta(index: int, text: str, finish: str | None) -> dict:
-        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
+    def delta(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+                "finish_reason": finish}
+
+    @staticmethod
+    def logprobs(texts: TokenTexts, ids, lps, tops, offset: int = 0) -> tuple[dict, int]:
+        return texts.chat(ids, lps, tops), offset
 
     @staticmethod
     def opening(index: int, echo: str = "") -> dict | None:
@@ -115,11 +164,17 @@ class ChatShape:
 
 # -- SGLang /generate --------------------------------------------------------------------------
 
-def generate_item(rid: str, text: str, ids: list[int], prompt_tokens: int, result=None) -> dict:
-    """One /generate answer (or stream chunk): text and ids so far, meta_info; `result` once done."""
+def generate_item(rid: str, text: str, ids: list[int], prompt_tokens: int, result=None, lp=None) -> dict:
+    """One /generate answer (or stream chunk): text and ids so far, meta_info; `result` once done;
+    lp: the (logprobs, top logprobs) of `ids` when the request asked (return_logprob), given as
+    SGLang's output_token_logprobs [[logprob, id, None], ...] and output_top_logprobs."""
     finish = result.finish_reason if result is not None else None
     meta = {"id": rid, "prompt_tokens": prompt_tokens, "completion_tokens": len(ids),
             "finish_reason": {"type": finish} if finish else None}
+    if lp is not None:
+        lps, tops = lp
+        meta["output_token_logprobs"] = [[v, t, None] for t, v in zip(ids, lps)]
+        meta["output_top_logprobs"] = [[[v, a, None] for a, v in alts] for alts in tops]
     if result is not None:
         meta.update(spec_fields(result))
         meta["e2e_latency"] = result.stats.get("latency_s")

@@ -90,4 +90,5 @@ class ServerState:
     def limits(self) -> Limits:
         c = self.cfg
         return Limits(max_model_len=self.engine.max_model_len, vocab_size=self.engine.config.vocab_size,
-                      max_stop_strings=c.max_stop_strings, max_stop_chars=c.max_stop_chars, max_choices=c.max_choices)
+                      max_stop_strings=c.max_stop_strings, max_stop_chars=c.max_stop_chars, max_choices=c.max_choices,
+                      logit_processors=getattr(self.engine, "processors", True) is not None)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
+import math
 import signal
 import socket
 import subprocess
@@ -213,8 +215,8 @@ def test_n_with_a_seed_equals_single_requests_with_seeds_seed_and_up(server, cli
     n_prompt = len(server.tokenizer.encode(prompt))
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_prompt, n * 8)  # the prompt counted once
     assert [c.text for c in client.completions.create(prompt=prompt, n=n, best_of=n, seed=seed, **kw).choices] == singles
-    with pytest.raises(openai.BadRequestError, match="log probabilities"):
-        client.completions.create(prompt=prompt, n=2, best_of=3, **kw)
+    with pytest.raises(openai.BadRequestError, match="cannot be streamed"):
+        client.completions.create(prompt=prompt, n=2, best_of=3, stream=True, **kw)
     # streaming: the choices' chunks interleave, each names its index; usage covers them all
     chunks = list(client.completions.create(prompt=prompt, n=n, seed=seed, stream=True,
                                             stream_options={"include_usage": True}, **kw))
@@ -239,6 +241,158 @@ def test_n_with_a_seed_equals_single_requests_with_seeds_seed_and_up(server, cli
     g = gen({"text": prompt, "sampling_params": {**sp, "seed": seed, "n": n}})
     assert [x["text"] for x in g] == singles and len({x["meta_info"]["id"] for x in g}) == n
     _wait_idle(server)
+
+
+# -- logprobs, penalties, logit_bias, min_tokens, best_of ------------------------------------------
+
+def _gen(server, body):
+    r = httpx.post(server.base + "/generate", json=body, timeout=60, trust_env=False)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_logprobs_on_every_endpoint_agree_and_are_log_softmax_values(server, client):
+    prompt, k = "def f(x):", 3
+    kw = dict(model="tiny", prompt=prompt, max_tokens=6, **GREEDY, extra_body=NOEOS)
+    plain = client.completions.create(**kw).choices[0].text
+    c = client.completions.create(logprobs=k, **kw).choices[0]
+    assert c.text == plain  # asking for logprobs changes nothing
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert chosen <= 0 and 1 <= len(top) <= k + 1  # the top k and the chosen token (equal texts merge)
+        assert max(top.values()) == pytest.approx(chosen, abs=1e-6)  # greedy: the chosen token is the top 1
+        assert sum(math.exp(v) for v in top.values()) <= 1 + 1e-5
+    # /generate: SGLang's [logprob, id, None]; the same values, the top 1 is the chosen id
+    g = _gen(server, {"text": prompt, "return_logprob": True, "top_logprobs_num": k,
+                      "sampling_params": {"max_new_tokens": 6, **GREEDY, **NOEOS}})
+    out = g["meta_info"]["output_token_logprobs"]
+    assert [t for _, t, _ in out] == g["output_ids"] and all(x is None for *_, x in out)
+    assert [v for v, _, _ in out] == pytest.approx(lp.token_logprobs, abs=1e-6)
+    tops = g["meta_info"]["output_top_logprobs"]
+    assert [len(t) for t in tops] == [k] * 6 and [t[0][1] for t in tops] == g["output_ids"]
+    assert all(a[0] >= b[0] for t in tops for a, b in zip(t, t[1:]))  # most likely first
+    assert [t[0][0] for t in tops] == pytest.approx([v for v, _, _ in out], abs=1e-6)
+    # streaming: each chunk carries its own tokens' logprobs, which add up to the whole
+    chunks = list(client.completions.create(logprobs=k, stream=True, **kw))
+    got = [x for ch in chunks for c_ in ch.choices if c_.logprobs for x in c_.logprobs.token_logprobs]
+    offs = [x for ch in chunks for c_ in ch.choices if c_.logprobs for x in c_.logprobs.text_offset]
+    assert got == pytest.approx(lp.token_logprobs, abs=1e-6) and offs == lp.text_offset
+    # chat: choices[].logprobs.content[] of {token, logprob, bytes, top_logprobs}
+    ckw = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, **GREEDY, extra_body=NOEOS)
+    rc = client.chat.completions.create(logprobs=True, top_logprobs=2, **ckw)
+    content = rc.choices[0].logprobs.content
+    assert len(content) == rc.usage.completion_tokens == 5
+    for e in content:
+        assert e.logprob <= 0 and e.bytes == list(e.token.encode()) and len(e.top_logprobs) == 2
+        assert e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-6) and e.top_logprobs[0].token == e.token
+    assert client.chat.completions.create(**ckw).choices[0].logprobs is None
+    chunks = list(client.chat.completions.create(logprobs=True, top_logprobs=2, stream=True, **ckw))
+    streamed = [e for ch in chunks for c_ in ch.choices if c_.logprobs for e in c_.logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    _wait_idle(server)
+
+
+def test_logit_bias_min_tokens_and_penalties_change_the_output(server, client):
+    prompt = "x = [1, 2"
+    ids = lambda **sp: _gen(server, {"text": prompt, "sampling_params": {"max_new_tokens": 8, **GREEDY, **NOEOS, **sp}})[
+        "output_ids"]
+    base = ids()
+    # logit_bias +100 forces a token, -100 forbids one; the OpenAI endpoints do the same
+    forced = next(t for t in range(300, 400) if t not in base)
+    assert ids(logit_bias={str(forced): 100}) == [forced] * 8
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, logit_bias={str(forced): 100}, **GREEDY,
+                                  extra_body=NOEOS)
+    assert r.choices[0].text == server.tokenizer.decode([forced] * 8)
+    assert ids(logit_bias={str(base[0]): -100})[0] != base[0]
+    # min_tokens: a stop id that would end the request at once is masked for min_tokens tokens
+    stop = {"stop_token_ids": [base[0]]}
+    assert ids(**stop) == base[:1]
+    held = ids(**stop, min_new_tokens=4)
+    assert len(held) >= 4 and base[0] not in held[:4]
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, **GREEDY,
+                                  extra_body={**NOEOS, **stop, "min_tokens": 4})
+    assert r.choices[0].text == server.tokenizer.decode(held) and r.usage.completion_tokens == len(held)
+    # penalties: a greedy run that repeats a token repeats less; every endpoint gives the same tokens
+    pen = {"presence_penalty": 2.0, "frequency_penalty": 2.0, "repetition_penalty": 5.0}
+    penalized = ids(**pen)
+    if len(set(base)) < len(base):
+        assert penalized != base
+    assert len(set(penalized)) >= len(set(base))
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, presence_penalty=2.0,
+                                  frequency_penalty=2.0, **GREEDY, extra_body={**NOEOS, "repetition_penalty": 5.0})
+    assert r.choices[0].text == server.tokenizer.decode(penalized)
+    _wait_idle(server)
+
+
+def test_processed_requests_equal_engine_generate(server, model_dir):
+    """The server's tokens and logprobs for penalties, logit_bias, min_tokens and logprobs equal
+    Engine.generate's for the same SamplingParams (a second engine over the same weights)."""
+    from dspark_jax.engine import Engine, EngineConfig
+    from dspark_jax.sampling import SamplingParams
+
+    prompt, forced = "while x <", 333
+    stop_id = _gen(server, {"text": prompt, "sampling_params": {"max_new_tokens": 1, **GREEDY}})["output_ids"][0]
+    cases = [  # (/generate sampling_params, top-level fields, SamplingParams)
+        ({"presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3},
+         {"return_logprob": True, "top_logprobs_num": 2},
+         SamplingParams(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3, logprobs=2)),
+        ({"logit_bias": {str(forced): 8.0, str(stop_id): -100}}, {},
+         SamplingParams(logit_bias={forced: 8.0, stop_id: -100.0})),
+        ({"stop_token_ids": [stop_id], "min_new_tokens": 3}, {"return_logprob": True},
+         SamplingParams(stop_token_ids=(stop_id,), min_tokens=3, logprobs=0)),
+        ({"temperature": 1.0, "seed": 7, "frequency_penalty": 1.0}, {"return_logprob": True, "top_logprobs_num": 4},
+         SamplingParams(temperature=1.0, seed=7, frequency_penalty=1.0, logprobs=4)),
+    ]
+    served = []
+    for sp, top, _ in cases:
+        body = {"text": prompt, **top, "sampling_params": {"max_new_tokens": 7, "ignore_eos": True, **GREEDY, **sp}}
+        served.append(_gen(server, body))
+    engine = Engine.from_pretrained(model_dir, EngineConfig(max_running_requests=MAX_RUNNING, max_prefill_tokens=256,
+                                                            max_model_len=MAX_MODEL_LEN, precompile=False))
+    results = engine.generate([prompt] * len(cases),
+                              [dataclasses.replace(p, max_new_tokens=7, ignore_eos=True) for *_, p in cases])
+    for (sp, top, _), g, r in zip(cases, served, results):
+        assert g["output_ids"] == r.token_ids, sp
+        if top.get("return_logprob"):
+            assert [v for v, _, _ in g["meta_info"]["output_token_logprobs"]] == pytest.approx(r.logprobs, abs=1e-4)
+            assert [[a for _, a, _ in t] for t in g["meta_info"]["output_top_logprobs"]] == \
+                [[a for a, _ in t] for t in r.top_logprobs]
+    assert stop_id not in results[1].token_ids  # biased -100
+    assert stop_id not in results[2].token_ids[:3] and len(results[2].token_ids) >= 3
+
+
+def test_best_of_returns_the_n_candidates_with_the_highest_cumulative_logprob(server, client):
+    prompt, seed, best_of, n = "def sample(x):", 21, 4, 2
+    kw = dict(model="tiny", prompt=prompt, max_tokens=6, logprobs=0, **SAMPLED, extra_body=NOEOS)
+    singles = [client.completions.create(seed=seed + j, **kw).choices[0] for j in range(best_of)]
+    ranked = sorted(singles, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)[:n]
+    r = client.completions.create(n=n, best_of=best_of, seed=seed, **kw)
+    assert [c.index for c in r.choices] == list(range(n)) and [c.text for c in r.choices] == [c.text for c in ranked]
+    assert r.usage.completion_tokens == best_of * 6  # every candidate was generated
+    r = client.completions.create(n=n, best_of=best_of, seed=seed, **{**kw, "logprobs": None})
+    assert [c.text for c in r.choices] == [c.text for c in ranked] and r.choices[0].logprobs is None
+    _wait_idle(server)
+
+
+def test_logit_processors_off_refuses_their_parameters(server, client, monkeypatch):
+    # what ServerState.limits() says of an engine built with logit_processors="off" (engine.processors None);
+    # the live engine itself is left alone
+    limits = server.state.limits
+    assert limits().logit_processors and server.state.engine.processors is not None
+    monkeypatch.setattr(server.state, "limits", lambda: dataclasses.replace(limits(), logit_processors=False))
+    for make, named in ((lambda: client.completions.create(model="tiny", prompt="hi", logprobs=1), "logprobs"),
+                        (lambda: client.completions.create(model="tiny", prompt="hi", logit_bias={"5": 1}),
+                         "logit_bias"),
+                        (lambda: client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "h"}],
+                                                                frequency_penalty=1), "frequency_penalty")):
+        with pytest.raises(openai.BadRequestError, match="logit-processors off") as e:
+            make()
+        assert e.value.response.json()["error"]["param"] == named
+    r = httpx.post(server.base + "/generate", json={"text": "hi", "return_logprob": True}, timeout=30, trust_env=False)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "return_logprob"
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=2, presence_penalty=0).choices
 
 
 def test_batched_prompts_and_echo(server, client):
@@ -827,19 +981,17 @@ HOSTILE = [
     ("/generate", {"text": "hi", "sampling_params": {"stop": ["ok", "y" * 300_000]}}, "stop", "at most 256"),
     ("/v1/completions", {"prompt": "hi", "stop": [3]}, "stop", "list of strings"),
     # parameters this server does not implement
-    ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of", "needs log probabilities"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 2, "stream": True}, "best_of", "cannot be streamed"),
     ("/v1/completions", {"prompt": "hi", "n": 3, "best_of": 2}, "best_of", ">= n"),
     ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "suffix", "suffix"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 1}, "logprobs", "log probabilities"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 0}, "logprobs", "log probabilities"),
-    ("/v1/chat/completions", {**CHAT_HI, "logprobs": True}, "logprobs", "log probabilities"),
-    ("/v1/chat/completions", {**CHAT_HI, "top_logprobs": 3}, "top_logprobs", "log probabilities"),
-    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", "presence_penalty"),
-    ("/v1/chat/completions", {**CHAT_HI, "frequency_penalty": -1}, "frequency_penalty", "frequency_penalty"),
-    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1.1}, "repetition_penalty", "repetition_penalty"),
-    ("/v1/chat/completions", {**CHAT_HI, "min_tokens": 4}, "min_tokens", "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs", "less than or equal to 20"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": True}, "logprobs", "integer"),
+    ("/v1/chat/completions", {**CHAT_HI, "top_logprobs": 3}, "top_logprobs", "needs 'logprobs': true"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+    ("/v1/chat/completions", {**CHAT_HI, "repetition_penalty": -1}, "repetition_penalty", "greater than 0"),
+    ("/v1/chat/completions", {**CHAT_HI, "min_tokens": 5000}, "min_tokens", "min_tokens must be"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias", "outside the vocabulary"),
     ("/v1/completions", {"prompt": "hi", "min_p": 0.05}, "min_p", "min_p"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 100}}, "logit_bias", "logit_bias"),
     ("/v1/chat/completions", {**CHAT_HI, "response_format": {"type": "json_object"}}, "response_format", "JSON mode"),
     ("/v1/chat/completions", {**CHAT_HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool"),
     ("/v1/chat/completions", {**CHAT_HI, "tool_choice": "auto"}, "tool_choice", "tool"),
@@ -852,12 +1004,10 @@ HOSTILE = [
     ("/v1/chat/completions", {**CHAT_HI, "regex": "a+"}, "regex", "constrained"),
     ("/v1/completions", {"prompt": "hi", "json_schema": "{}"}, "json_schema", "constrained"),
     ("/v1/completions", {"prompt": "hi", "skip_special_tokens": False}, "skip_special_tokens", "special tokens"),
-    ("/generate", {"text": "hi", "return_logprob": True}, "return_logprob", "log probabilities"),
-    ("/generate", {"text": "hi", "top_logprobs_num": 2}, "top_logprobs_num", "log probabilities"),
+    ("/generate", {"text": "hi", "top_logprobs_num": 2}, "top_logprobs_num", "needs 'return_logprob'"),
     *[("/generate", {"text": "hi", "sampling_params": {k: v}}, k, k) for k, v in (
-        ("repetition_penalty", 1.3), ("frequency_penalty", 0.2), ("presence_penalty", 0.2), ("min_new_tokens", 2),
         ("min_p", 0.1), ("json_schema", '{"type": "object"}'), ("regex", "[a-z]+"), ("ebnf", "root ::= 'a'"),
-        ("structural_tag", "{}"), ("logit_bias", {"3": 1.0}), ("no_stop_trim", True), ("n", 0))],
+        ("structural_tag", "{}"), ("no_stop_trim", True), ("n", 0))],
     # unknown fields are named
     ("/v1/completions", {"prompt": "hi", "foo": 1, "bar": None}, "foo", "'foo', 'bar'"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "mood": "x"}]}, "messages", "messages[0].mood"),

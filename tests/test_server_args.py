@@ -49,3 +49,10 @@ def test_an_expanded_model_brings_its_own_drafters():
     assert ServerArgs(model_path="expand:qwen3-8b", speculative_algorithm="NONE").resolve().draft_model_path is None
     with pytest.raises(ValueError, match="drop --draft-model-path"):
         ServerArgs(model_path="expand:qwen3-8b", draft_model_path="x").resolve()
+
+
+def test_logit_processors_flag_feeds_the_engine_config():
+    assert _parse([]).resolve().engine_config().logit_processors == "lazy"
+    assert _parse(["--logit-processors", "off"]).resolve().engine_config().logit_processors == "off"
+    with pytest.raises(SystemExit):
+        _parse(["--logit-processors", "sometimes"])

@@ -3,6 +3,8 @@ serving/params.py): no engine."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 pytest.importorskip("fastapi")
@@ -84,8 +86,21 @@ def test_validation_messages_name_the_field():
         (parse_completion, {"prompt": "hi", "n": 9}, "n", "at most 8 choices per request, got n = 9"),
         (parse_completion, {"prompt": ["a", "b", "c"], "n": 3}, "n", "3 prompts x n = 3"),
         (parse_completion, {"prompt": "hi", "n": 2, "best_of": 1}, "best_of", "must be >= n (2)"),
-        (parse_completion, {"prompt": "hi", "n": 2, "best_of": 3}, "best_of", "needs log probabilities"),
-        (parse_completion, {"prompt": "hi", "best_of": 2}, "best_of", "needs log probabilities"),
+        (parse_completion, {"prompt": "hi", "n": 2, "best_of": 3, "stream": True}, "best_of", "cannot be streamed"),
+        (parse_completion, {"prompt": "hi", "n": 2, "best_of": 9}, "best_of", "at most 8 choices"),
+        (parse_completion, {"prompt": "hi", "logprobs": 21}, "logprobs", "less than or equal to 20"),
+        (parse_completion, {"prompt": "hi", "logprobs": 1, "echo": True}, "logprobs", "echo"),
+        (lambda b, lim: parse_chat(b, lim, 64), {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+         "top_logprobs", "needs 'logprobs': true"),
+        (parse_generate, {"text": "a", "top_logprobs_num": 2}, "top_logprobs_num", "needs 'return_logprob'"),
+        (parse_completion, {"prompt": "hi", "logit_bias": {"300": 1}}, "logit_bias", "outside the vocabulary"),
+        (parse_completion, {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias", "integer token ids"),
+        (parse_completion, {"prompt": "hi", "logit_bias": {"3": 101}}, "logit_bias", "[-100, 100]"),
+        (parse_completion, {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+        (parse_completion, {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+        (parse_completion, {"prompt": "hi", "min_tokens": 17}, "min_tokens", "max_new_tokens=16"),
+        (parse_generate, {"text": "a", "sampling_params": {"min_new_tokens": 200, "max_new_tokens": 5}},
+         "min_new_tokens", "min_new_tokens must be"),
         (parse_generate, {"text": ["a", "b"], "sampling_params": {"n": 5}}, "n", "2 prompts x n = 5"),
         (parse_generate, {"input_ids": [[1], []]}, "input_ids", "'input_ids[1]' is empty"),
         (lambda b, lim: parse_chat(b, lim, 64), {"messages": [{"role": "user"}]}, "messages", "content' is required"),
@@ -113,6 +128,37 @@ def test_parsed_values():
     assert g.prompts == [[1, 2]] and not g.batched and g.params.seed == 9 and g.params.max_new_tokens == 3
 
 
+def test_logprobs_penalties_and_best_of_reach_sampling_params():
+    p = parse_completion({"prompt": "hi", "logprobs": 3, "presence_penalty": 0.5, "frequency_penalty": -1,
+                          "repetition_penalty": 1.2, "min_tokens": 4, "logit_bias": {"7": -100, "9": 2.5}}, LIM)
+    sp = p.params
+    assert (p.logprobs, sp.logprobs, sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, sp.min_tokens,
+            sp.logit_bias) == (3, 3, 0.5, -1.0, 1.2, 4, {7: -100.0, 9: 2.5})
+    b = parse_completion({"prompt": ["a", "b"], "n": 2, "best_of": 3, "seed": 5}, LIM)
+    assert (b.best_of, b.per_prompt, b.num_choices, b.logprobs, b.params.logprobs) == (3, 3, 6, None, 0)
+    assert [sp.seed for _, sp in b.jobs([[1], [2]], LIM.max_model_len)] == [5, 6, 7] * 2
+    c = parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 5}, LIM, 8)
+    assert (c.logprobs, c.params.logprobs) == (5, 5)
+    c0 = parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": False}, LIM, 8)
+    assert (c0.logprobs, c0.params.logprobs) == (None, None)
+    g = parse_generate({"text": "a", "return_logprob": True, "top_logprobs_num": 2, "sampling_params": {
+        "min_new_tokens": 3, "repetition_penalty": 1.1, "frequency_penalty": 0.3, "presence_penalty": 0.1}}, LIM)
+    assert (g.logprobs, g.params.min_tokens, g.params.repetition_penalty, g.params.frequency_penalty,
+            g.params.presence_penalty) == (2, 3, 1.1, 0.3, 0.1)
+    # an engine without logit processors refuses them, naming them
+    off = dataclasses.replace(LIM, logit_processors=False)
+    for parse, body, named in ((parse_completion, {"prompt": "hi", "logprobs": 0}, "'logprobs'"),
+                               (parse_completion, {"prompt": "hi", "best_of": 2}, "'best_of'"),
+                               (parse_completion, {"prompt": "hi", "presence_penalty": 1, "logit_bias": {"1": 1}},
+                                "'presence_penalty', 'logit_bias' are"),
+                               (parse_generate, {"text": "a", "sampling_params": {"min_new_tokens": 1}},
+                                "'min_new_tokens' is")):
+        with pytest.raises(ApiError, match="logit-processors off") as e:
+            parse(body, off)
+        assert named in e.value.message and e.value.param == named.split("'")[1], e.value.message
+    assert parse_completion({"prompt": "hi", "presence_penalty": 0, "logit_bias": {}}, off).params.logit_bias == {}
+
+
 def test_choices_seeds_and_batches():
     """n engine requests per prompt, prompt-major; with a seed choice j samples with seed + j
     (mod 2**32) whatever the prompt; the chat default max_tokens is capped per prompt."""
@@ -129,5 +175,7 @@ def test_choices_seeds_and_batches():
     assert single.batched and single.prompts == [[5, 6]] and not parse_completion({"prompt": [5, 6]}, LIM).batched
     c = parse_chat({"messages": [{"role": "user", "content": "x"}], "n": 2}, LIM, 10**6)
     assert [sp.max_new_tokens for _, sp in c.jobs([[1] * 100], LIM.max_model_len)] == [28, 28]
+    m = parse_chat({"messages": [{"role": "user", "content": "x"}], "min_tokens": 50}, LIM, 64)
+    assert [(sp.max_new_tokens, sp.min_tokens) for _, sp in m.jobs([[1] * 100], LIM.max_model_len)] == [(28, 28)]
     g = parse_generate({"text": ["a", "b"], "sampling_params": {"n": 2, "seed": 4}}, LIM)
     assert g.batched and [sp.seed for _, sp in g.jobs([[1], [2]], LIM.max_model_len)] == [4, 5, 4, 5]
