@@ -90,7 +90,7 @@ for stage in $STAGES; do
 done
 echo "done at $(( $(date +%s) - T0 ))s"
 ls -l "$OUT"
-# The device tool returns only a few files from $OUT: pack everything into one archive.
+# A remote runner may hand back only a few files from $OUT: pack everything into one archive.
 if [ "${PACK:-1}" = 1 ]; then
   tar -C "$OUT" --exclude=sts-shards -czf /tmp/default-pair-suite.tgz . && find "$OUT" -mindepth 1 -delete \
       && mv /tmp/default-pair-suite.tgz "$OUT/"

@@ -16,7 +16,7 @@
 #            the decode stage's defaults (the fused Pallas kernels on the GPU)
 #
 # Results land in $OUT (default runs/kernel-decode-suite), packed into kernel-decode-suite.tgz (the
-# device tool returns only a few files).
+# a remote runner may hand back only a few files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s)

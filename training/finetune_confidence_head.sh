@@ -34,7 +34,7 @@ START=${START:-dspark_jax/assets/default-dspark}
 mkdir -p "$OUT" "$WORK"
 rm -rf "$WORK/drafter"
 
-# The device tool returns at most 8 files from $OUT: one archive holds the logs, the STS fit and the
+# A remote runner may hand back only a few files from $OUT: one archive holds the logs, the STS fit and the
 # fine-tuned folder (the train stage's split tar parts duplicate that folder and are dropped).
 pack() {
   rm -f "$OUT"/train/*.tar.part-*

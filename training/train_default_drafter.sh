@@ -29,7 +29,7 @@
 #
 # Inputs: TARGET (dspark_jax/assets/default-target); CORPUS (.data/corpus, git-ignored, so carry it).
 # Work: DATA (runs/drafter-data), RUN (runs/default-drafter), MTP_RUN (runs/default-mtp).
-# Results: OUT (the device tool's $OUT, else runs/default-drafter-out).
+# Results: OUT ($OUT when set, else runs/default-drafter-out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
