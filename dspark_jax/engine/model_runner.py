@@ -25,6 +25,13 @@ from pallas_kernels.kv_write import resolve_backend as resolve_kv_write_backend
 
 log = logging.getLogger(__name__)
 
+# XLA's rematerialization pass counts a step's donated, aliased outputs (the KV caches) as new
+# buffers beside the donated arguments, so with a large pool it finds the step "over" the device
+# and spends minutes failing to shrink it; buffer assignment then aliases them and the step needs
+# only small temporaries (benchmarks/step_memory.py shows both).  A serving step has nothing to
+# rematerialize: its memory is the weights and the caches.
+GPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
+
 DEFAULT_CACHE_DIR = Path(os.environ.get("DSPARK_JAX_CACHE", Path.home() / ".cache" / "dspark_jax")) / "xla"
 
 
@@ -94,6 +101,8 @@ class ModelRunner:
         self.norm_backend = resolve_norm_backend(kernels, self.config.hidden_size)
         self.kv_write_backend = resolve_kv_write_backend(kernels, self.config.head_dim)
         self.unroll = bool(unroll)
+        platform = (parallel.device if parallel is not None else jax.devices()[0]).platform
+        self.compiler_options = dict(GPU_COMPILER_OPTIONS) if platform == "gpu" else {}
         # (start, end) of every compile since the last call to take_compile_spans()
         self._compile_spans: list[tuple[float, float]] = []
 
@@ -107,7 +116,7 @@ class ModelRunner:
     def compile(self, lowered) -> jax.stages.Compiled:
         """Compile, noting when: time spent compiling on first use is kept out of measured rounds."""
         t0 = time.perf_counter()
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options=self.compiler_options or None)
         self._compile_spans.append((t0, time.perf_counter()))
         return compiled
 
