@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -116,10 +117,15 @@ def main(argv=None):
     from dspark_jax.engine.model_runner import round_up as _ru
 
     P = engine.pages_per_seq  # one context bucket: max_len is short
-    needed = {(b, b, b, P) for b in {_ru(bs, engine.decode_buckets) for bs in args.batch_sizes}}
-    needed |= {(t, engine.prefill_seqs, engine.prefill_seqs, P) for t in engine.prefill_buckets
-               if t >= args.prompt_len // 2 and t // 2 < args.prompt_len * max_bs}
-    engine.compile_seconds = engine.runner.compile(sorted(needed))
+    buckets = {_ru(bs, engine.decode_buckets) for bs in args.batch_sizes}
+    prefill = {t for t in engine.prefill_buckets if t >= args.prompt_len // 2 and t // 2 < args.prompt_len * max_bs}
+    wanted = {f"decode tokens={b} seqs={b} pages={P} greedy" for b in buckets}
+    todo = [(label, build) for label, build in engine.executables()
+            if label in wanted or (label.endswith(" any") and int(label.split()[1].split("=")[1]) in prefill)]
+    t0 = time.perf_counter()
+    for _, build in tqdm(todo, desc="compile"):
+        build()
+    engine.compile_seconds = time.perf_counter() - t0
     print(f"{env['device']} jax {env['jax']} copy bandwidth {bw / 1e12:.2f} TB/s; compile {engine.compile_seconds:.1f}s "
           f"backend {engine.runner.backend} unroll_decode {not args.scan_layers}", flush=True)
     wbytes = weight_bytes_read(cfg)
