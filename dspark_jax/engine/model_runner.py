@@ -25,17 +25,12 @@ from pallas_kernels.kv_write import resolve_backend as resolve_kv_write_backend
 
 log = logging.getLogger(__name__)
 
-# XLA options of the steps on the GPU (docs/decisions.md, "Start-up at 8B shape"):
-# - no rematerialization pass: it counts a step's donated, aliased outputs (the KV caches) as new
-#   buffers beside the donated arguments, so with a large pool it finds the step "over" the
-#   device and spends minutes failing to shrink it; buffer assignment then aliases them and the
-#   step needs only small temporaries (benchmarks/step_memory.py).  A serving step has nothing to
-#   rematerialize: its memory is the weights and the caches.
-# - unrolled steps without GEMM autotuning: each layer's GEMM reads a static slice of the stacked
-#   weights inside its fusion, so the fusions of the layers all differ and XLA autotuned each one
-#   separately (hundreds per step, each with a scratch copy of the whole weight stack).
+# XLA's rematerialization pass counts a step's donated, aliased outputs (the KV caches) as new
+# buffers beside the donated arguments, so with a large pool it finds the step "over" the device
+# and spends minutes failing to shrink it; buffer assignment then aliases them and the step needs
+# only small temporaries (benchmarks/step_memory.py shows both).  A serving step has nothing to
+# rematerialize: its memory is the weights and the caches.
 GPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
-UNROLLED_GPU_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
 
 DEFAULT_CACHE_DIR = Path(os.environ.get("DSPARK_JAX_CACHE", Path.home() / ".cache" / "dspark_jax")) / "xla"
 
@@ -107,9 +102,7 @@ class ModelRunner:
         self.kv_write_backend = resolve_kv_write_backend(kernels, self.config.head_dim)
         self.unroll = bool(unroll)
         platform = (parallel.device if parallel is not None else jax.devices()[0]).platform
-        gpu = platform == "gpu"
-        self.compiler_options = dict(GPU_COMPILER_OPTIONS) if gpu else {}
-        self.unrolled_compiler_options = dict(UNROLLED_GPU_COMPILER_OPTIONS) if gpu and self.unroll else {}
+        self.compiler_options = dict(GPU_COMPILER_OPTIONS) if platform == "gpu" else {}
         # (start, end) of every compile since the last call to take_compile_spans()
         self._compile_spans: list[tuple[float, float]] = []
 
@@ -120,12 +113,10 @@ class ModelRunner:
         return dict(backend=self.backend, scan_layers=prefill or not self.unroll,
                     norm_backend=self.norm_backend, kv_write_backend=self.kv_write_backend)
 
-    def compile(self, lowered, *, prefill: bool = False) -> jax.stages.Compiled:
-        """Compile, noting when: time spent compiling on first use is kept out of measured rounds.
-        prefill: a scanned prefill step (else a decode-sized one, unrolled where the runner unrolls)."""
-        options = {**self.compiler_options, **({} if prefill else self.unrolled_compiler_options)}
+    def compile(self, lowered) -> jax.stages.Compiled:
+        """Compile, noting when: time spent compiling on first use is kept out of measured rounds."""
         t0 = time.perf_counter()
-        compiled = lowered.compile(compiler_options=options or None)
+        compiled = lowered.compile(compiler_options=self.compiler_options or None)
         self._compile_spans.append((t0, time.perf_counter()))
         return compiled
 

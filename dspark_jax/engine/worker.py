@@ -168,8 +168,7 @@ class PlainWorker(Worker):
             lstate = self._lstate(variant)
             samp = prefill_sampling_struct(self.engine, S) if lstate is not None else sampling_struct(S)
             self._compiled[key] = runner.compile(self._jit[prefill, variant].lower(
-                abstract(runner.state), abstract(runner.cache), abstract(lstate), shape_struct(T, S, P, S), samp),
-                prefill=prefill)
+                abstract(runner.state), abstract(runner.cache), abstract(lstate), shape_struct(T, S, P, S), samp))
         return self._compiled[key]
 
     def run(self, batch: ForwardBatch, sampling, variant: str):

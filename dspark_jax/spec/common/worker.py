@@ -99,7 +99,7 @@ class DraftWorker(Worker):
     def executable(self, key, lower):
         """The compiled executable for key, lowering and compiling it on first use."""
         if key not in self._compiled:
-            self._compiled[key] = self.engine.runner.compile(lower(), prefill=key[0] == "prefill")
+            self._compiled[key] = self.engine.runner.compile(lower())
         return self._compiled[key]
 
     def pack(self, key, abstract_inputs, device_fields: tuple[str, ...] = ()) -> HostPack:
