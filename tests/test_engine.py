@@ -187,6 +187,15 @@ def test_unrolled_decode_and_lazy_compile_give_identical_tokens(hf_model_dir, ti
     eng = Engine.from_pretrained(hf_model_dir, EngineConfig(max_running_requests=4, max_prefill_tokens=64,
                                                             max_model_len=256, unroll_decode=True, precompile=False))
     assert not eng.worker._compiled
+    # An unrolling engine splits its layer weights: its steps take one array per layer where the
+    # scanning engine's take one [L, ...] stack (layers/layer_split.py).
+    L = eng.config.num_hidden_layers
+    stacked = [x.shape for x in tiny_engine.runner.state if x.ndim >= 2 and x.shape[0] == L]
+    assert eng.runner.split and not tiny_engine.runner.split and stacked
+    split = [x.shape for x in eng.runner.state]
+    assert sorted(split) == sorted([s for s in (x.shape for x in tiny_engine.runner.state) if s not in stacked]
+                                   + [s[1:] for s in stacked for _ in range(L)])
+    assert eng.runner.forward_options(True)["scan_layers"] is False  # prefill unrolls too
     prompts = _prompts(tiny_engine, 5, seed=31)
     assert [r.token_ids for r in eng.generate(prompts, GREEDY)] == [r.token_ids for r in tiny_engine.generate(prompts, GREEDY)]
     assert eng.worker._compiled  # compiled on first use

@@ -9,6 +9,7 @@ from flax import nnx
 
 from dspark_jax.checkpoint import load_model
 from dspark_jax.engine import Engine, EngineConfig
+from dspark_jax.layers.layer_split import is_split
 from dspark_jax.sampling import SamplingParams
 from dspark_jax.spec.config import SpeculativeConfig
 from dspark_jax.spec.dspark.config import DSparkConfig
@@ -378,13 +379,16 @@ def test_gpu_execution_options_commit_the_same_tokens(pair, plain, model_dir):
     (interpret mode here) -- commits exactly the plain engine's greedy tokens, for DSpark and MTP."""
     from dspark_jax.spec.mtp.model import MTPConfig, MTPDrafter
 
+    # copies: an unrolling engine splits its models' layer weights in place (layers/layer_split.py)
     target, tok, drafter = pair
+    target, drafter = nnx.clone(target), nnx.clone(drafter)
     gpu_like = EngineConfig(**EC, unroll_decode=True, kernels="pallas", precompile=False)
     prompts = _prompts(target.config.vocab_size, 5, seed=11)
     want = [r.token_ids for r in plain.generate(prompts, GREEDY)]
-    eng = dspark(pair, gpu_like, mode="compact", cost_table=TABLE)
+    eng = dspark((target, tok, drafter), gpu_like, mode="compact", cost_table=TABLE)
     runner = eng.runner
     assert runner.unroll and (runner.backend, runner.norm_backend, runner.kv_write_backend) == ("pallas",) * 3
+    assert is_split(target.layers) and is_split(drafter.layers) and not is_split(pair[0].layers)
     assert [r.token_ids for r in eng.generate(prompts, GREEDY)] == want
     assert np.asarray(eng.stats["accept_lens"]).max() >= 3
     mtp = Engine(target, tok, gpu_like, drafter=MTPDrafter(MTPConfig.from_target(target.config), rngs=nnx.Rngs(1)),

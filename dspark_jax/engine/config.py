@@ -21,8 +21,8 @@ class EngineConfig:
     max_prefill_seqs: int = 8
     # Pallas kernels (attention, fused add + RMSNorm, K/V write): auto = on the GPU, else plain jnp.
     kernels: str = "auto"
-    # Unrolled layer / drafting loops in decode steps and rounds (auto: on the GPU, where an XLA
-    # while loop is driven from the host); prefill keeps its scans.
+    # Unrolled layer / drafting loops (auto: on the GPU, where an XLA while loop is driven from the
+    # host), over layer weights split into one array per layer (layers/layer_split.py).
     unroll_decode: bool | None = None
     dtype: str | None = None  # default: float32 on CPU, else the checkpoint's
     # Context buckets: page tables double from this many tokens up to max_model_len (0: one

@@ -34,6 +34,7 @@ from dspark_jax.engine.scheduler import Scheduler
 from dspark_jax.engine.worker import PlainWorker, Worker
 from dspark_jax.errors import InvalidRequestError
 from dspark_jax.kv_cache import allocate_kv_cache, kv_bytes_per_token
+from dspark_jax.layers.layer_split import split_layers
 from dspark_jax.logit_processors import MAX_STOP_IDS, LogitProcessors
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
 from dspark_jax.page_pool import PagePool
@@ -108,10 +109,12 @@ class Engine:
         # page-table widths of decode steps and rounds, ascending, the last one pages_per_seq
         self.page_widths = (batch_ladder(self.pages_per_seq, start=max(1, -(-ec.min_context_bucket // ec.page_size)))
                             if ec.min_context_bucket else [self.pages_per_seq])
-        self.pool = PagePool(ec.num_pages or self._default_num_pages(model), ec.page_size)
-        enable_compilation_cache(ec.compile_cache_dir)
         unroll = ec.unroll_decode if ec.unroll_decode is not None else jax.default_backend() == "gpu"
         par = self.parallel
+        if unroll and par.default:  # one array per layer (layers/layer_split.py), before the pool takes the memory
+            split_layers(model.layers)
+        self.pool = PagePool(ec.num_pages or self._default_num_pages(model), ec.page_size)
+        enable_compilation_cache(ec.compile_cache_dir)
         cache = (allocate_kv_cache(self.config, self.pool.num_pages, ec.page_size, model.dtype) if par.default else
                  par.allocate_kv(self.config.num_hidden_layers, self.pool.num_pages, ec.page_size,
                                  self.config.num_key_value_heads, self.config.head_dim, model.dtype))

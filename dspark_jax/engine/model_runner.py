@@ -19,6 +19,7 @@ from flax import nnx
 from dspark_jax.engine.flat_state import flatten_states
 from dspark_jax.kv_cache import KVCache
 from dspark_jax.layers.attention import resolve_backend
+from dspark_jax.layers.layer_split import is_split
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
 from pallas_kernels.fused_add_rms_norm import resolve_backend as resolve_norm_backend
 from pallas_kernels.kv_write import resolve_backend as resolve_kv_write_backend
@@ -90,6 +91,9 @@ class ModelRunner:
         under tensor parallelism graphdef is the per-shard structure and state its sharded leaves."""
         self.config = model.config
         self.dtype = model.dtype
+        self.unroll = bool(unroll)
+        # split by the engine where it unrolls: every step unrolls (a model loaded into shards is not)
+        self.split = isinstance(model, nnx.Module) and is_split(model.layers)
         if parallel is None or parallel.default:
             self.graphdef, state = nnx.split(model)
             (self.state,), (self.state_def,) = flatten_states(state)  # dispatched as a flat list
@@ -100,17 +104,17 @@ class ModelRunner:
         self.backend = resolve_backend(kernels)
         self.norm_backend = resolve_norm_backend(kernels, self.config.hidden_size)
         self.kv_write_backend = resolve_kv_write_backend(kernels, self.config.head_dim)
-        self.unroll = bool(unroll)
         platform = (parallel.device if parallel is not None else jax.devices()[0]).platform
         self.compiler_options = dict(GPU_COMPILER_OPTIONS) if platform == "gpu" else {}
         # (start, end) of every compile since the last call to take_compile_spans()
         self._compile_spans: list[tuple[float, float]] = []
 
     def forward_options(self, prefill: bool) -> dict:
-        """Keyword options of a target forward: the kernels and, for decode-sized steps on the
-        GPU, an unrolled layer loop (prefill keeps its scan: compute-bound, and an unrolled
-        executable compiles several times longer)."""
-        return dict(backend=self.backend, scan_layers=prefill or not self.unroll,
+        """Keyword options of a target forward: the kernels and the layer loop.  Where the runner
+        unrolls (the GPU), its layers are split (layers/layer_split.py) and every step, prefill
+        included, runs unrolled; under tensor parallelism decode steps unroll over the stacks and
+        prefill scans; on the CPU every step scans."""
+        return dict(backend=self.backend, scan_layers=not self.split and (prefill or not self.unroll),
                     norm_backend=self.norm_backend, kv_write_backend=self.kv_write_backend)
 
     def compile(self, lowered) -> jax.stages.Compiled:

@@ -1,4 +1,5 @@
-"""Qwen3 dense decoder as Flax NNX modules with per-layer weights stacked for ``lax.scan``.
+"""Qwen3 dense decoder as Flax NNX modules with per-layer weights stacked for ``lax.scan`` (or
+split into one array per layer for unrolled GPU steps: layers/layer_split.py).
 
 One pure forward serves prefill chunks, decode and multi-token verify: the batch is a packed
 ragged buffer (see forward_batch.py), new K/V are written into the paged cache, and attention is
@@ -21,6 +22,7 @@ from dspark_jax.config import Qwen3Config
 from dspark_jax.forward_batch import ForwardBatch
 from dspark_jax.kv_cache import KVCache
 from dspark_jax.layers.attention import attend_paged, paged_attention
+from dspark_jax.layers.layer_split import is_split, run_layers
 from dspark_jax.layers.norm import RMSNorm, rms_norm
 from dspark_jax.layers.rotary import apply_rope, rope_cos_sin
 from dspark_jax.parallel.context import gather_last
@@ -219,9 +221,12 @@ class Qwen3ForCausalLM(nnx.Module):
         )
 
     def _kernel_stacks(self, norm_backend: str, kv_write_backend: str) -> LayerStacks:
-        """The weight stacks of the ops that run as Pallas kernels for T packed rows."""
+        """The weight stacks of the ops that run as Pallas kernels for T packed rows (none when
+        the layers are split: each kernel then reads its layer's own array)."""
         cfg, lay = self.config, self.layers
         out = {}
+        if is_split(lay):
+            return LayerStacks()
         if resolve_norm_backend(norm_backend, cfg.hidden_size) == "pallas":
             out.update(input_norm=lay.input_layernorm.weight[...], post_norm=lay.post_attention_layernorm.weight[...])
         if resolve_kv_write_backend(kv_write_backend, cfg.head_dim) == "pallas":
@@ -253,8 +258,9 @@ class Qwen3ForCausalLM(nnx.Module):
         norm_backend: str = "reference",
         kv_write_backend: str = "reference",
     ) -> ForwardOutput:
-        """scan_layers=False unrolls the layer loop (static weight slices): a larger program that
-        XLA may schedule better for latency-bound decode; the result is identical.
+        """scan_layers=False unrolls the layer loop (static layer ids): a larger program that XLA
+        may schedule better for latency-bound decode; the result is identical.  Split layers
+        (layers/layer_split.py) always run unrolled.
         norm_backend: how each residual add + RMSNorm runs (``add_rms_norm``); kv_write_backend:
         how q and k are normed and rotated and k / v written into the cache (``Qwen3Attention``)."""
         for name, value in (("norm_backend", norm_backend), ("kv_write_backend", kv_write_backend)):
@@ -294,12 +300,7 @@ class Qwen3ForCausalLM(nnx.Module):
                 taps = taps.at[s].set(jnp.where(slot >= 0, h + delta, taps[s]))  # the layer's output
             return (h, delta, cache_l.k, cache_l.v, taps), None
 
-        carry = (x, jnp.zeros_like(x), cache.k, cache.v, taps)
-        if scan_layers:
-            carry, _ = jax.lax.scan(body, carry, (layer_state, jnp.arange(L, dtype=jnp.int32)))
-        else:
-            for i in range(L):
-                carry, _ = body(carry, (jax.tree.map(lambda a, i=i: a[i], layer_state), jnp.int32(i)))
+        carry, _ = run_layers(body, (x, jnp.zeros_like(x), cache.k, cache.v, taps), layer_state, L, scan=scan_layers)
         x, delta, kc, vc, taps = carry
         hidden, _ = add_rms_norm(self.norm, delta, x, norm_backend)
         logits = self.logits(hidden[batch.logits_indices])
@@ -342,7 +343,7 @@ def forward_dense(
 
     if remat:
         body = jax.checkpoint(body)
-    x_out, per_layer = jax.lax.scan(body, x, layer_state)
+    x_out, per_layer = run_layers(body, x, layer_state, cfg.num_hidden_layers, with_index=False)
     taps = jnp.stack([x if t == -1 else per_layer[t] for t in tap_layers]) if tap_layers else jnp.zeros((0, B, L, cfg.hidden_size), x.dtype)
     return DenseOutput(model.norm(x_out), taps)
 

@@ -33,6 +33,7 @@ from dspark_jax.engine.request import Request, Status
 from dspark_jax.engine.worker import prefill_batch, prefill_sampling_struct, prefill_shapes
 from dspark_jax.forward_batch import shape_struct
 from dspark_jax.kv_cache import KVCache
+from dspark_jax.layers.layer_split import split_layers
 from dspark_jax.logprobs import top_width
 from dspark_jax.parallel.host import prefetch, to_host
 from dspark_jax.spec.common.stats import commit_rounds
@@ -95,6 +96,8 @@ class DSparkWorker(DraftWorker):
         # Positions past the last token a call may write: a block per round, twice that with a
         # call in flight (it starts up to n x (G + 1) positions further on).
         self.lookahead = (2 if engine.ec.overlap else 1) * n * (G + 1)
+        if engine.runner.split:  # the drafter's layers unroll as the target's do
+            split_layers(self.drafter.layers)
         super().bind(engine)
         # A call's last round must see survival the host has read: 2 x n rounds back overlapped.
         self._lag = max(spec.lag, (2 if engine.ec.overlap else 1) * n)
