@@ -178,9 +178,17 @@ class ServerArgs:
     def init_distributed(self) -> bool:
         """Join the --nnodes processes (jax.distributed.initialize; before anything else uses
         JAX); False for one node."""
-        from dspark_jax.parallel.multihost import initialize
+        from dspark_jax.parallel.multihost import check_same_engine_args, initialize
 
-        return initialize(self.nnodes, self.node_rank, self.dist_init_addr)
+        if not initialize(self.nnodes, self.node_rank, self.dist_init_addr):
+            return False
+        check_same_engine_args(self.engine_args())
+        return True
+
+    def engine_args(self) -> dict:
+        """The fields every node's engine is built from: all but the HTTP server's and the rank."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if not f.metadata.get("server") and f.name != "node_rank"}
 
     # -- what the engine takes -------------------------------------------------------------------
     def engine_config(self):

@@ -136,7 +136,10 @@ def main(argv=None) -> int:
         ap.error(str(e))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
-    args.init_distributed()  # --nnodes > 1: join the other hosts before JAX starts
+    try:
+        args.init_distributed()  # --nnodes > 1: join the other hosts before JAX starts
+    except ValueError as e:  # e.g. nodes started with different engine flags
+        ap.error(str(e))
     import jax
 
     from serving.app import ServerConfig, create_app

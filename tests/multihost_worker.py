@@ -1,9 +1,11 @@
 """One process of the two-process tensor-parallel test (tests/test_parallel.py): joins the other
 over localhost (gloo), builds a TP 2 engine spanning both processes' CPU devices and writes rank
-0's tokens as JSON.  Usage: python tests/multihost_worker.py RANK PORT OUT_JSON"""
+0's tokens as JSON.  Usage: python tests/multihost_worker.py RANK PORT OUT_JSON [check-args]
+(check-args: the cross-rank engine-argument check instead; each rank writes OUT_JSON.RANK)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -49,5 +51,22 @@ def main(rank: int, port: int, out: str) -> None:
         Path(out).write_text(json.dumps(result))
 
 
+def check_args(rank: int, port: int, out: str) -> None:
+    """The engine-argument check: equal arguments pass, then rank 1 brings a different one."""
+    from dspark_jax.parallel.multihost import check_same_engine_args, initialize
+    from dspark_jax.server_args import ServerArgs
+
+    initialize(2, rank, f"127.0.0.1:{port}")
+    same = ServerArgs(nnodes=2, node_rank=rank, dist_init_addr=f"127.0.0.1:{port}", port=30000 + rank)
+    check_same_engine_args(same.engine_args())  # only node_rank and the HTTP port differ
+    other = dataclasses.replace(same, max_running_requests=8 if rank else 16)
+    try:
+        check_same_engine_args(other.engine_args())
+        message = None
+    except ValueError as e:
+        message = str(e)
+    Path(f"{out}.{rank}").write_text(json.dumps(message))
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    (check_args if sys.argv[4:] == ["check-args"] else main)(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

@@ -21,6 +21,7 @@ each host would differ, so several hosts take a table file (or static verificati
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import time
@@ -63,6 +64,27 @@ def _broadcast(commands: list | None) -> list:
         buf[:len(payload)] = np.frombuffer(payload, np.uint8)
     buf = multihost_utils.broadcast_one_to_all(buf, is_source=leader)
     return commands if leader else json.loads(bytes(np.asarray(buf)[:int(n[0])]).decode())
+
+
+def check_same_engine_args(args: dict) -> None:
+    """Raise on every process unless all were started with the same engine arguments (a JSON-able
+    dict).  A rank whose engine differs would otherwise compile other steps and leave the rest
+    waiting inside a collective.  Every rank gathers every rank's digest, so all of them decide
+    alike; each names the fields where it differs from rank 0."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    text = json.dumps(args, sort_keys=True, default=str)
+    digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8)
+    digests = np.asarray(multihost_utils.process_allgather(digest)).reshape(jax.process_count(), -1)
+    leader = _broadcast(json.loads(text) if jax.process_index() == 0 else None)
+    differ = [r for r in range(len(digests)) if not np.array_equal(digests[r], digests[0])]
+    if differ:
+        mine = sorted(k for k in set(leader) | set(args) if json.dumps(leader.get(k), default=str) !=
+                      json.dumps(args.get(k), default=str))
+        raise ValueError(f"rank(s) {differ} were started with engine arguments other than rank 0's"
+                         + (f"; this rank differs in {', '.join(mine)}" if mine else "")
+                         + ": start every node with the same flags but --node-rank")
 
 
 def _params(d: dict) -> SamplingParams:
