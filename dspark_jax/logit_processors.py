@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax.engine.model_runner import abstract
 from dspark_jax.logprobs import TokenLogprobs, empty_logprobs, token_logprobs, window_logprobs
 from dspark_jax.sampling import sample
 from dspark_jax.spec.common.packing import packed_rows
@@ -206,7 +207,9 @@ class LogitProcessors:
     def __init__(self, runner, *, slots: int, vocab: int, max_len: int, precompile: bool):
         self.runner = runner
         self.vocab, self.max_len, self.precompile = vocab, max_len, precompile
-        self.state = allocate_logit_state(slots, vocab)
+        self.parallel = runner.parallel
+        # made where the steps run: replicated over a tensor-parallel engine's devices
+        self.state = self.parallel.build(lambda: allocate_logit_state(slots, vocab))
         self._jit = jax.jit(install, donate_argnums=(0,))
         self._compiled = None
 
@@ -215,14 +218,17 @@ class LogitProcessors:
 
     def _executable(self):
         if self._compiled is None:
-            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.state)
-            self._compiled = self.runner.compile(self._jit.lower(abstract, Install.shapes(self.max_len)))
+            inst = Install.shapes(self.max_len)
+            if not self.parallel.default:  # the install arrays arrive replicated, as the state is
+                inst = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.parallel.sharding()),
+                                    inst)
+            self._compiled = self.runner.compile(self._jit.lower(abstract(self.state), inst))
         return self._compiled
 
     def install(self, req) -> None:
         """Reset the request's slot row to its processors (before its first token is sampled)."""
         inst = install_arrays(req.params, req.prompt_ids, req.stop_ids, req.slot, vocab=self.vocab, max_len=self.max_len)
-        self.state = self._executable()(self.state, inst)
+        self.state = self._executable()(self.state, self.parallel.put(inst))
 
     @staticmethod
     def slots(reqs, rows: int, when=None) -> np.ndarray:

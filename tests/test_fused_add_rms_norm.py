@@ -258,6 +258,10 @@ def test_triton_lowering():
         sd((1, 4096), jnp.bfloat16), sd((1, 4096), jnp.bfloat16), sd((36, 4096), jnp.bfloat16),
         sd((), jnp.int32))
     assert "triton" in text
+    # one layer's own weight (split layers): the same kernel without the layer index
+    text = cuda_lowering_text(lambda x, r, w: fused_add_rms_norm(x, r, w, eps=EPS),
+                              sd((1, 4096), jnp.bfloat16), sd((1, 4096), jnp.bfloat16), sd((4096,), jnp.bfloat16))
+    assert "triton" in text
 
 
 # --------------------------------------------------------------------------- op dispatch

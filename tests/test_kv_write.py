@@ -199,15 +199,17 @@ def test_bad_inputs_are_clear_errors():
 def test_tile_shapes_and_triton_lowering():
     """Every tensor of the GPU path is a power of two; the kernel lowers to Triton IR for CUDA
     (no GPU needed) for the 8B decode shape and a prefill chunk (stacked caches and k-norm
-    weights, traced layer) and for masked kv heads."""
+    weights, traced layer; stacked caches with one layer's weights, as split layers give), and
+    for masked kv heads."""
     for Hk in (1, 2, 3, 5, 8):
         for D in (16, 64, 128, 256):
             for name, shape in tile_shapes(Hk, D, num_q_heads=3 * Hk).items():
                 assert all(s >= 1 and s & (s - 1) == 0 for s in shape), (name, shape)
     sd = jax.ShapeDtypeStruct
-    for T, H, Hk, D, L in ((1, 32, 8, 128, 36), (512, 32, 8, 128, 36), (7, 12, 3, 64, None)):
+    for T, H, Hk, D, L, split in ((1, 32, 8, 128, 36, False), (512, 32, 8, 128, 36, False),
+                                  (1, 32, 8, 128, 36, True), (7, 12, 3, 64, None, False)):
         cache = sd(((L,) if L else ()) + (64, 16, Hk, D), jnp.bfloat16)
-        weight = sd((L, D) if L else (D,), jnp.bfloat16)
+        weight = sd((L, D) if L and not split else (D,), jnp.bfloat16)
 
         def f(kp, vp, qkv, w, cos, sin, slots, layer, qw, H=H, L=L):
             return write_kv_from_qkv(kp, vp, qkv, w, cos, sin, slots, num_q_heads=H, eps=EPS,

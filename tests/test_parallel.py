@@ -241,6 +241,27 @@ def test_dspark_seeded_sampling_matches_single_device(target, dspark_drafter):
 
 @needs_devices
 @pytest.mark.parametrize("tp", [2, 4])
+def test_logit_processors_and_logprobs_match_single_device(target, dspark_drafter, tp):
+    """Penalties, logit bias, min_tokens and logprobs under tensor parallelism (state replicated,
+    as the gathered logits are; TP 4 pads the vocabulary): plain and DSpark static commit the
+    single-device tokens, greedy and seeded, with the same logprobs."""
+    prompts = _prompts(4, seed=6)
+    params = [SamplingParams(max_new_tokens=10, ignore_eos=True, repetition_penalty=1.4, frequency_penalty=0.6,
+                             presence_penalty=0.3, logit_bias={5: 4.0, 11: -100.0}, min_tokens=3, logprobs=2,
+                             stop_token_ids=(17,), temperature=0.8 * (i % 2), seed=40 + i) for i in range(4)]
+    for spec in ({}, dict(drafter=dspark_drafter, spec=SpeculativeConfig(mode="static"))):
+        want = Engine(target, None, EngineConfig(**EC), **spec).generate(prompts, params)
+        eng = Engine(target, None, EngineConfig(**EC, tp_size=tp), **spec)
+        got = eng.generate(prompts, params)
+        assert spec_of(eng.processors.state.counts) == P() and eng.processors.state.counts.shape[1] % tp == 0
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=1e-4, atol=1e-4)
+            assert [[t for t, _ in row] for row in g.top_logprobs] == [[t for t, _ in row] for row in w.top_logprobs]
+
+
+@needs_devices
+@pytest.mark.parametrize("tp", [2, 4])
 def test_mtp_commits_single_device_tokens(target, tp):
     from tests.test_mtp_engine import repeat_drafter
 

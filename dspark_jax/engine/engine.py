@@ -120,10 +120,10 @@ class Engine:
                                  self.config.num_key_value_heads, self.config.head_dim, model.dtype))
         self.runner = ModelRunner(model, cache, kernels=ec.kernels, unroll=unroll, parallel=par)
         self.num_tokens = model.num_tokens  # the real vocabulary (the head may be wider)
-        # Logit processors keep single-device state: with tensor parallelism they are off.
-        self.processors = None if ec.logit_processors == "off" or not par.default else LogitProcessors(
-            self.runner, slots=ec.max_running_requests, vocab=self.config.vocab_size, max_len=self.max_model_len,
-            precompile=ec.logit_processors == "precompile")
+        # Under tensor parallelism the processor state is replicated, as the gathered logits are.
+        self.processors = None if ec.logit_processors == "off" else LogitProcessors(
+            self.runner, slots=ec.max_running_requests, vocab=par.vocab_width(self.config.vocab_size),
+            max_len=self.max_model_len, precompile=ec.logit_processors == "precompile")
         self.prefill_seqs = min(ec.max_prefill_seqs, ec.max_running_requests)
         self.decode_buckets = batch_ladder(ec.max_running_requests)
         self.prefill_buckets = batch_ladder(ec.max_prefill_tokens, start=min(16, ec.max_prefill_tokens))
@@ -234,7 +234,7 @@ class Engine:
         params.validate(vocab_size=self.num_tokens)
         if params.needs_processed_steps and self.processors is None:
             raise InvalidRequestError("logprobs, penalties, logit_bias and min_tokens need an engine with logit "
-                                      "processors (EngineConfig.logit_processors is 'off', or tensor parallelism)")
+                                      "processors (EngineConfig.logit_processors is 'off')")
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
         if params.min_tokens and len(stops) > MAX_STOP_IDS:
             raise InvalidRequestError(f"min_tokens masks at most {MAX_STOP_IDS} stop and EOS ids; this request "

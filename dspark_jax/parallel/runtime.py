@@ -92,11 +92,20 @@ class Parallel:
             return tree
         return jax.device_put(tree, self.sharding(spec))
 
+    def build(self, fn, spec=REPLICATED):
+        """The arrays fn() makes, made on the devices (never a whole copy on one device first)."""
+        if self.default:
+            return fn()
+        return jax.jit(fn, out_shardings=self.sharding(spec))()
+
+    def vocab_width(self, vocab: int) -> int:
+        """The width of a step's logits: the vocabulary padded to a multiple of the shards (the
+        padded ids are never produced)."""
+        return -(-vocab // self.tp_size) * self.tp_size
+
     def zeros(self, shape, dtype, spec=REPLICATED) -> jax.Array:
         """A zero array made on the devices (never a whole copy on one device first)."""
-        if self.default:
-            return jnp.zeros(shape, dtype)
-        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.sharding(spec))()
+        return self.build(lambda: jnp.zeros(shape, dtype), spec)
 
     def cache_heads(self, num_kv_heads: int) -> int:
         """KV heads of a global cache array (replicas included when fewer than the shards)."""
