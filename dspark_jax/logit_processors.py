@@ -41,7 +41,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.engine.model_runner import abstract
 from dspark_jax.logprobs import TokenLogprobs, empty_logprobs, token_logprobs, window_logprobs
 from dspark_jax.sampling import sample
 from dspark_jax.spec.common.packing import packed_rows
@@ -218,6 +217,8 @@ class LogitProcessors:
 
     def _executable(self):
         if self._compiled is None:
+            from dspark_jax.engine.model_runner import abstract  # (the engine package imports this module)
+
             inst = Install.shapes(self.max_len)
             if not self.parallel.default:  # the install arrays arrive replicated, as the state is
                 inst = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.parallel.sharding()),
