@@ -1,20 +1,39 @@
-"""One process of the two-process tensor-parallel test (tests/test_parallel.py): joins the other
-over localhost (gloo), builds a TP 2 engine spanning both processes' CPU devices and writes rank
-0's tokens as JSON.  Usage: python tests/multihost_worker.py RANK PORT OUT_JSON [check-args]
-(check-args: the cross-rank engine-argument check instead; each rank writes OUT_JSON.RANK)."""
+"""One process of the two-process tests (tests/test_parallel.py, tests/test_multihost_args.py):
+joins the other over localhost (gloo), builds a TP 2 engine spanning both processes' CPU devices
+and writes rank 0's tokens as JSON.  Usage: python tests/multihost_worker.py RANK PORT OUT_JSON
+[check-args] (check-args: the cross-rank engine-argument check instead; each rank writes
+OUT_JSON.RANK).  ``run_two_ranks`` starts both ranks from a test."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ.pop("XLA_FLAGS", None)  # one CPU device per process
+
+
+def run_two_ranks(out: Path, *extra: str, timeout: float = 900) -> None:
+    """Run this script as ranks 0 and 1 on a free localhost port, one CPU device each; fails the
+    calling test with both logs unless both exit 0."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(out), *extra], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    try:
+        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n=====\n".join(x[-4000:] for x in logs)
 
 
 def main(rank: int, port: int, out: str) -> None:
@@ -69,4 +88,7 @@ def check_args(rank: int, port: int, out: str) -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ.pop("XLA_FLAGS", None)  # one CPU device per process
     (check_args if sys.argv[4:] == ["check-args"] else main)(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

@@ -6,15 +6,10 @@ localhost with gloo CPU collectives)."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 from dspark_jax.server_args import ServerArgs
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.multihost_worker import run_two_ranks
 
 
 def test_engine_args_leave_out_the_rank_and_the_http_server():
@@ -26,22 +21,8 @@ def test_engine_args_leave_out_the_rank_and_the_http_server():
 
 
 def test_nodes_started_with_different_engine_flags_all_stop(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "check"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "multihost_worker.py"), str(r), str(port), str(out),
-                               "check-args"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in (0, 1)]
-    try:
-        logs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n=====\n".join(x[-3000:] for x in logs)
+    run_two_ranks(out, "check-args", timeout=300)
     leader, follower = (json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1))
     assert leader is not None and "rank(s) [1]" in leader and "--node-rank" in leader
     assert follower is not None and "rank(s) [1]" in follower and "max_running_requests" in follower

@@ -442,26 +442,10 @@ def test_tp2_engine_across_two_processes_commits_the_single_process_tokens(tmp_p
     both: run the same calls (SPMD), then rank 0 leading (LeaderEngine) while rank 1 replays its
     requests (follow), plain and DSpark static, greedy and seeded: rank 0 commits the tokens of a
     single-process, single-device engine."""
-    import socket
+    from tests.multihost_worker import run_two_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "rank0.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "multihost_worker.py"), str(r), str(port), str(out)],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in (0, 1)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=900)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n=====\n".join(x[-4000:] for x in logs)
+    run_two_ranks(out)
     got = __import__("json").loads(out.read_text())
     prompts = _prompts()
     greedy = reference(target, "greedy", prompts, GREEDY)

@@ -58,9 +58,13 @@ def _is_split(x) -> bool:
     return isinstance(x, LayerSplit)
 
 
+def _holds_split(tree) -> bool:
+    return any(_is_split(v) for v in jax.tree.leaves(tree, is_leaf=_is_split))
+
+
 def is_split(layers: nnx.Module) -> bool:
     """Whether a stacked layer module's weights were split by split_layers."""
-    return any(_is_split(v) for v in jax.tree.leaves(nnx.state(layers), is_leaf=_is_split))
+    return _holds_split(nnx.state(layers))
 
 
 def split_layers(layers: nnx.Module) -> None:
@@ -79,15 +83,15 @@ def layer_state(state, i: int):
     return jax.tree.map(lambda a: a[i], state, is_leaf=_is_split)
 
 
-def run_layers(body, carry, state, num_layers: int, *, scan: bool = True, with_index: bool = True):
+def run_layers(body, carry, state, num_layers: int, *, scan: bool = True, with_index: bool = True,
+               unroll: bool = False):
     """``body(carry, (layer_state, layer)) -> (carry, out)`` over the layers: under lax.scan when
-    ``scan`` and the weights are stacked, else unrolled (straight-line, static layer ids).
-    Returns (carry, outs stacked over layers, or None where body returns None).
-    with_index=False: body takes the layer state alone."""
-    split = any(_is_split(v) for v in jax.tree.leaves(state, is_leaf=_is_split))
-    if scan and not split:
+    ``scan`` and the weights are stacked (``unroll``: lax.scan's own unrolling), else unrolled
+    here (straight-line, static layer ids).  Returns (carry, outs stacked over layers, or None
+    where body returns None).  with_index=False: body takes the layer state alone."""
+    if scan and not _holds_split(state):
         xs = (state, jnp.arange(num_layers, dtype=jnp.int32)) if with_index else state
-        return jax.lax.scan(body, carry, xs)
+        return jax.lax.scan(body, carry, xs, unroll=bool(unroll))
     outs = []
     for i in range(num_layers):
         s = layer_state(state, i)

@@ -22,7 +22,7 @@ from flax import nnx
 from dspark_jax.forward_batch import ForwardBatch
 from dspark_jax.kv_cache import KVCache
 from dspark_jax.layers.attention import paged_attention
-from dspark_jax.layers.layer_split import is_split, run_layers
+from dspark_jax.layers.layer_split import run_layers
 from dspark_jax.layers.norm import RMSNorm
 from dspark_jax.layers.rotary import apply_rope, rope_cos_sin
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
@@ -149,13 +149,8 @@ class DSparkDrafter(nnx.Module):
             carry, out = fn(nnx.merge(layer_def, state), carry, KVCache(kc, vc), layer)
             return (carry, out.k, out.v), None
 
-        if is_split(self.layers):
-            (carry, kc, vc), _ = run_layers(body, (carry, cache.k, cache.v), layer_state, self.config.num_layers)
-        else:
-            (carry, kc, vc), _ = jax.lax.scan(
-                body, (carry, cache.k, cache.v), (layer_state, jnp.arange(self.config.num_layers, dtype=jnp.int32)),
-                unroll=bool(unroll),
-            )
+        (carry, kc, vc), _ = run_layers(body, (carry, cache.k, cache.v), layer_state, self.config.num_layers,
+                                        unroll=unroll)
         return carry, KVCache(kc, vc)
 
     def extend_context(self, cache: KVCache, ctx_taps, ctx_positions, ctx_slots, *, unroll: bool = False) -> KVCache:
