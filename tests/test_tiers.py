@@ -81,3 +81,24 @@ def test_slots_per_tier():
     assert tiers.shapes()[-1] == (512, 64)
     with pytest.raises(ValueError, match="not a tier"):
         tiers.slots(100)
+
+
+def test_rows_per_tier_hold_every_batch_with_the_fewest_rows():
+    """A tier compiles the covering slots and the rows of the verify-all batch that fills it; a
+    batch gets the fewest that hold it, so a lone request on tier 8 runs one row, not eight."""
+    tiers = TokenTiers(7, LADDER, tier_step=64)
+    assert tiers.row_options(8) == (1, 8)
+    assert tiers.row_options(16) == (2, 16)
+    assert tiers.row_options(192) == (32, 64)  # 24 verify-all requests round up to the 32 bucket
+    assert tiers.row_options(512) == (64,)
+    assert tiers.rows_for(8, 1) == 1 and tiers.rows_for(8, 2) == 8
+    for bs, k in itertools.product(range(1, 65), range(0, 7 * 64 + 1, 13)):
+        t = tiers.tier_for(bs, k)
+        rows = tiers.rows_for(t, bs)
+        assert rows >= bs and rows in tiers.row_options(t)
+        assert all(r < bs for r in tiers.row_options(t) if r < rows)
+        if k >= bs * 7:  # a verify-all batch runs on its own bucket's rows
+            assert rows == LADDER[next(i for i, b in enumerate(LADDER) if b >= bs)]
+    assert sorted(set(tiers.shapes())) == sorted(tiers.shapes())
+    with pytest.raises(ValueError, match="exceed"):
+        tiers.rows_for(8, 9)

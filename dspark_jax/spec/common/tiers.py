@@ -30,11 +30,15 @@ request layout is baked in and that mismatch cannot happen here; the one geometr
 a batch with more requests than the executable has slots.  ``T // (gamma + 1)`` slots would make
 that hazard the rule: a trimmed batch of bs requests lands on a tier below ``bs * (gamma + 1)``,
 whose ``T // (gamma + 1)`` slots are fewer than bs (32 requests with K = 0 at gamma = 7 need 32
-tokens, tier 32, 4 slots), and there is no eager fallback to send it to.  So each tier gets
+tokens, tier 32, 4 slots), and there is no eager fallback to send it to.  So every tier gets
 ``S = min(T, max_batch_size)`` slots: every request verifies at least its anchor, so any batch
 that fits in T tokens has at most T requests, and never more than the ladder's largest batch.
-The unused slots are zero-length padding; the ragged attention kernel's grid spends one dead
-program on each.
+
+Padding rows are not free: the drafter drafts a block for every row, and the attention of a
+backend without a kernel (the CPU's plain jnp) computes them in full (a batch of one on tier 8
+would draft eight blocks to use one).  So a tier also gets the rows of the batch that fills
+it verifying everything, the ladder bucket of ``ceil(T / (gamma + 1))``, and a step takes the
+fewest rows that hold its batch (``rows_for``): at most two executables per tier.
 """
 
 from __future__ import annotations
@@ -109,9 +113,23 @@ class TokenTiers:
             raise ValueError(f"{tier} is not a tier; tiers are {list(self.tiers)}")
         return min(tier, self.max_batch_size)
 
+    def row_options(self, tier: int) -> tuple[int, ...]:
+        """Request rows compiled for ``tier``: the slots of any batch it holds, and fewer for the
+        batch that fills it verifying everything (see module doc)."""
+        full = self.slots(tier)
+        i = bisect.bisect_left(self.batch_sizes, -(-tier // self.window))
+        return tuple(sorted({min(self.batch_sizes[i], full), full}))
+
+    def rows_for(self, tier: int, batch_size: int) -> int:
+        """The fewest compiled rows of ``tier`` that hold ``batch_size`` requests."""
+        for rows in self.row_options(tier):
+            if rows >= batch_size:
+                return rows
+        raise ValueError(f"{batch_size} requests exceed tier {tier}'s {self.slots(tier)} slots")
+
     def shapes(self) -> list[tuple[int, int]]:
-        """(tokens, slots) of every tier, for ahead-of-time compilation."""
-        return [(t, self.slots(t)) for t in self.tiers]
+        """(tokens, rows) of every executable the tiers need, for ahead-of-time compilation."""
+        return [(t, rows) for t in self.tiers for rows in self.row_options(t)]
 
     def __repr__(self) -> str:
         return f"TokenTiers(window={self.window}, tiers={list(self.tiers)})"

@@ -26,19 +26,18 @@ class RoundPlan:
 
 
 def plan_call(batch_size: int, decisions: Sequence[BudgetDecision], *, gamma: int, mode: str, tiers: TokenTiers,
-              max_rows: int, fill_tier: bool, price: Callable[[int, int], float] | None) -> RoundPlan:
+              fill_tier: bool, price: Callable[[int, int], float] | None) -> RoundPlan:
     """The plan of a call of len(decisions) rounds for batch_size requests.
 
     mode "compact" runs the smallest tier holding the largest budget; the other modes verify
-    every block (tier bs * (gamma + 1)).  fill_tier (scheduled rounds): every round verifies up
-    to the tier's capacity, since its padding rows cost what verified ones would; the budget
+    every block (tier bs * (gamma + 1)); either runs on the fewest compiled rows that hold the
+    batch.  fill_tier (scheduled rounds): every round verifies up to the tier's capacity, since its padding rows cost what verified ones would; the budget
     stays a function of host scalars, and the filled budget is what gets priced.  A call whose
     first decision is a plain decode step runs plain decode steps (mode "decode", one token per
     request, at the batch-size bucket)."""
     if decisions[0].decode:
         tier = tiers.batch_sizes[bisect.bisect_left(tiers.batch_sizes, batch_size)]
-        return RoundPlan("decode", (0,) * len(decisions), tier, min(tier, max_rows),
-                         decisions[0].predicted_step_seconds)
+        return RoundPlan("decode", (0,) * len(decisions), tier, tier, decisions[0].predicted_step_seconds)
     full = batch_size * gamma
     budgets = [min(d.budget, full) for d in decisions]
     predictions = [d.predicted_step_seconds for d in decisions if d.predicted_step_seconds is not None]
@@ -48,4 +47,4 @@ def plan_call(batch_size: int, decisions: Sequence[BudgetDecision], *, gamma: in
         budgets = [fill] * len(decisions)
         predicted = price(batch_size, fill) if price is not None else predicted
     tier = tiers.tier_for(batch_size, max(budgets)) if mode == "compact" else tiers.round_up(batch_size * (gamma + 1))
-    return RoundPlan(mode, tuple(budgets), tier, min(tier, max_rows), predicted)
+    return RoundPlan(mode, tuple(budgets), tier, tiers.rows_for(tier, batch_size), predicted)

@@ -168,11 +168,10 @@ class DSparkWorker(DraftWorker):
         e = self.engine
         out = [(f"dspark prefill tokens={T} seqs={S}", functools.partial(self._prefill_executable, T, S))
                for T, S in prefill_shapes(e)]
-        shapes = [(self.mode, T) for T in self.tiers.tiers]
+        shapes = [(self.mode, T, S) for T, S in self.tiers.shapes()]
         if self._derive or (self._schedules and self.scheduler.can_decode):
-            shapes += [("decode", T) for T in e.decode_buckets]
-        for mode, T in shapes:
-            S = min(T, e.ec.max_running_requests)
+            shapes += [("decode", T, T) for T in e.decode_buckets]
+        for mode, T, S in shapes:
             out += [(f"dspark {mode} round tokens={T} rows={S} pages={P}{' processed' if processed else ''}",
                      functools.partial(self._round_executable, mode, T, S, P, processed))
                     for P in e.page_widths for processed in self.processed_variants()]
@@ -242,7 +241,7 @@ class DSparkWorker(DraftWorker):
         _, slots, generations = self._batch_slots
         step, self._step = self._step, self._step + self.rounds
         plan = plan_call(bs, self._decisions(bs, step, slots, generations), gamma=G, mode=self.mode, tiers=self.tiers,
-                         max_rows=self.engine.ec.max_running_requests, fill_tier=self._trims,
+                         fill_tier=self._trims,
                          price=self.scheduler.price if self._trims else None)
         S = plan.rows
         arrays = self.round_arrays(reqs, S)
@@ -325,7 +324,7 @@ class DSparkWorker(DraftWorker):
         mode = "compact" if budget is not None else "decode"
         T = (self.tiers.tier_for(batch_size, budget) if budget is not None else
              self.tiers.batch_sizes[bisect.bisect_left(self.tiers.batch_sizes, batch_size)])
-        S, P = min(T, e.ec.max_running_requests), e.pages_per_seq
+        S, P = (self.tiers.rows_for(T, batch_size) if budget is not None else T), e.pages_per_seq
         owners = [("time_round", i) for i in range(batch_size)]
         table = np.zeros((S, P), np.int32)
         for i, owner in enumerate(owners):
