@@ -31,8 +31,9 @@ def plan_call(batch_size: int, decisions: Sequence[BudgetDecision], *, gamma: in
 
     mode "compact" runs the smallest tier holding the largest budget; the other modes verify
     every block (tier bs * (gamma + 1)); either runs on the fewest compiled rows that hold the
-    batch.  fill_tier (scheduled rounds): every round verifies up to the tier's capacity, since its padding rows cost what verified ones would; the budget
-    stays a function of host scalars, and the filled budget is what gets priced.  A call whose
+    batch.  fill_tier (scheduled rounds): every round verifies up to the tier's capacity, since
+    its padding rows cost what verified ones would; the budget stays a function of host
+    scalars, and the filled budget is what gets priced.  A call whose
     first decision is a plain decode step runs plain decode steps (mode "decode", one token per
     request, at the batch-size bucket)."""
     if decisions[0].decode:
