@@ -174,9 +174,11 @@ class Traffic:
             ("min_tokens over max_tokens", "/v1/completions", {**hi, "min_tokens": 5}, 400),
             ("logit_bias outside the vocabulary", "/v1/chat/completions", {**chat, "logit_bias": {"999999999": 1.0}},
              400),
-            ("refused json mode", "/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}}, 400),
+            ("invalid json schema", "/v1/chat/completions", {**chat, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}}, 400),
             ("refused tools", "/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
-            ("refused regex", "/generate", {"text": "hi", "sampling_params": {"regex": "a+"}}, 400),
+            ("invalid regex", "/generate", {"text": "hi", "sampling_params": {"regex": "a("}}, 400),
+            ("refused ebnf", "/generate", {"text": "hi", "sampling_params": {"ebnf": "root ::= 'a'"}}, 400),
             ("best_of > n streamed", "/v1/completions", {**hi, "n": 1, "best_of": 3, "stream": True}, 400),
             ("n too large", "/v1/completions", {**hi, "n": info.get("max_choices", 128) + 1}, 400),
             ("unknown field", "/v1/completions", {**hi, "frobnicate": 1}, 400),

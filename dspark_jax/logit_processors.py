@@ -31,6 +31,12 @@ chosen on the host per batch like the greedy and sampling decode executables
 (EngineConfig.logit_processors says whether they compile at start-up or on first use).  Only
 prefill always processes (and computes logprobs): its few sampled rows cost nothing beside the
 prompt's forward, and a first token then never needs an executable of its own.
+
+Structured output (dspark_jax/grammar) rides on the same path: a constrained request is a
+processed one whose rows are also masked by its grammar's DFA state (a window row by the state
+after its earlier drafts), advanced at commit like the counts.  The grammar state joins the
+LogitState (``grammar``) only in constrained steps and rounds, variants of their own (prefill's
+too: CONSTRAINED), so other batches run the executables they ran before.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax.grammar import dfa
+from dspark_jax.grammar.pool import GrammarPool, default_pool_rows
 from dspark_jax.logprobs import TokenLogprobs, empty_logprobs, token_logprobs, window_logprobs
 from dspark_jax.sampling import sample
 from dspark_jax.spec.common.packing import packed_rows
@@ -48,6 +56,7 @@ from dspark_jax.spec.common.packing import packed_rows
 MAX_LOGIT_BIAS = 300  # logit_bias entries a request may set (OpenAI's limit)
 MAX_STOP_IDS = 64  # EOS and stop ids a min_tokens request may mask
 PROMPT, STOP = 1, 2  # LogitState.flags bits
+CONSTRAINED = 2  # a step's processing level beside False / True (processed): processed and grammar-masked
 
 
 class LogitState(NamedTuple):
@@ -58,6 +67,7 @@ class LogitState(NamedTuple):
     frequency: jax.Array  # [slots] float32
     repetition: jax.Array  # [slots] float32
     min_end: jax.Array  # [slots] int32 stop ids masked for tokens at positions below it (prompt length + min_tokens)
+    grammar: dfa.GrammarState | None = None  # constrained steps only
 
 
 def allocate_logit_state(slots: int, vocab: int) -> LogitState:
@@ -148,13 +158,30 @@ def process(logits: jax.Array, state: LogitState, slot: jax.Array, position: jax
         vals = _penalize(take(biased), count, (take(flags) & PROMPT) != 0, *pen)
         cols = jnp.where(prior_valid, prior_ids, V)
         out = out.at[jnp.arange(N)[:, None], cols].set(vals, mode="drop")
+    if state.grammar is not None:
+        rows = dfa.slot_rows(state.grammar, slot)
+        if prior_ids is not None:
+            rows = dfa.walk(state.grammar, rows, prior_ids, prior_valid)
+        out = dfa.mask(out, state.grammar, rows)
     return jnp.where((slot >= 0)[:, None], out, logits)
 
 
 def commit_counts(state: LogitState, slot: jax.Array, tokens: jax.Array, valid: jax.Array) -> LogitState:
-    """Count committed tokens [N, W] (where valid [N, W]) into each row's slot (-1: not counted)."""
+    """Count committed tokens [N, W] (where valid [N, W]) into each row's slot (-1: not counted),
+    and walk the slot's grammar state over them in a constrained step."""
     rows = jnp.where(valid & (slot >= 0)[:, None], slot[:, None], state.counts.shape[0])
-    return state._replace(counts=state.counts.at[rows, tokens.astype(jnp.int32)].add(1, mode="drop"))
+    state = state._replace(counts=state.counts.at[rows, tokens.astype(jnp.int32)].add(1, mode="drop"))
+    if state.grammar is not None:
+        state = state._replace(grammar=dfa.commit(state.grammar, slot, tokens, valid))
+    return state
+
+
+def draft_grammar(state: LogitState | None, slot: jax.Array):
+    """(GrammarState, each row's DFA row [S]) that a constrained round masks its drafter's
+    proposals with (slot -1: unconstrained rows); None outside constrained rounds."""
+    if state is None or state.grammar is None:
+        return None
+    return state.grammar, dfa.slot_rows(state.grammar, slot)
 
 
 def sample_processed(logits: jax.Array, sampling: tuple, state: LogitState | None, slot: jax.Array | None, *,
@@ -203,8 +230,9 @@ class LogitProcessors:
     processors into it.  ``precompile``: whether workers compile their processed variants at
     start-up (else on first use, noted by the runner like every compile)."""
 
-    def __init__(self, runner, *, slots: int, vocab: int, max_len: int, precompile: bool):
+    def __init__(self, runner, *, slots: int, vocab: int, max_len: int, precompile: bool, grammar_rows: int = 0):
         self.runner = runner
+        self.grammar = GrammarPool(runner, rows=grammar_rows or default_pool_rows(vocab), slots=slots, vocab=vocab)
         self.vocab, self.max_len, self.precompile = vocab, max_len, precompile
         self.parallel = runner.parallel
         # made where the steps run: replicated over a tensor-parallel engine's devices
@@ -227,9 +255,33 @@ class LogitProcessors:
         return self._compiled
 
     def install(self, req) -> None:
-        """Reset the request's slot row to its processors (before its first token is sampled)."""
+        """Reset the request's slot row to its processors and its grammar's initial state (before
+        its first token is sampled)."""
         inst = install_arrays(req.params, req.prompt_ids, req.stop_ids, req.slot, vocab=self.vocab, max_len=self.max_len)
         self.state = self._executable()(self.state, self.parallel.put(inst))
+        if req.grammar_row is not None or self.grammar.state is not None:
+            self.grammar.start(req.slot, -1 if req.grammar_row is None else req.grammar_row)
+
+    def state_for(self, level) -> LogitState | None:
+        """The state a step of this level takes: None (False), the processors' (True), with
+        the grammar state (CONSTRAINED)."""
+        if not level:
+            return None
+        return self.state._replace(grammar=self.grammar.state) if level == CONSTRAINED else self.state
+
+    def keep(self, state: LogitState | None) -> None:
+        """Store the state a step returned (donated: the old one is gone)."""
+        if state is not None:
+            if state.grammar is not None:
+                self.grammar.state = state.grammar
+            self.state = state._replace(grammar=None)
+
+    @staticmethod
+    def level(reqs) -> int | bool:
+        """The processing level a batch needs: CONSTRAINED, True (processed) or False."""
+        if any(r.grammar is not None for r in reqs):
+            return CONSTRAINED
+        return any(r.processed for r in reqs)
 
     @staticmethod
     def slots(reqs, rows: int, when=None) -> np.ndarray:

@@ -33,12 +33,17 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF/vLLM: a prompt or generated token's logit divided (> 0) or times (< 0) this
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
     logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)  # added to those ids' logits, in [-100, 100]
+    # Structured output (dspark_jax/grammar): (kind, text), kind "regex", "json_schema" (text: the
+    # schema as JSON) or "json_object" (text ignored).  The output then matches it, and ends (as
+    # at EOS, whatever ignore_eos says) where it is complete and nothing may follow.
+    grammar: tuple[str, str] | None = None
+    compiled_grammar: object = dataclasses.field(default=None, repr=False, compare=False)  # set by the engine
 
     @property
     def processes_logits(self) -> bool:
-        """Whether a penalty, logit bias or min_tokens changes the target's distribution."""
+        """Whether a penalty, logit bias, min_tokens or a grammar changes the target's distribution."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.min_tokens or self.logit_bias)
+                    or self.min_tokens or self.logit_bias or self.grammar is not None)
 
     @property
     def needs_processed_steps(self) -> bool:
@@ -110,6 +115,13 @@ class SamplingParams:
                 bad(f"logit_bias names token {tid} twice")
             bias[int(tid)] = float(value)
         self.logit_bias = bias
+        if self.grammar is not None:
+            from dspark_jax.grammar.compile import KINDS
+
+            g = self.grammar
+            if not (isinstance(g, (tuple, list)) and len(g) == 2 and g[0] in KINDS and isinstance(g[1], str)):
+                bad(f"grammar must be (kind, text) with kind one of {KINDS} and text a string, got {g!r}")
+            self.grammar = (g[0], "" if g[0] == "json_object" else g[1])
 
 
 def sampling_arrays(params: list[SamplingParams], seeds: list[int], positions: list[int], rows: int):

@@ -8,6 +8,7 @@ holds such a tail back, so concatenating its deltas equals decoding the whole se
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -86,10 +87,43 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(int(token_id))
 
+    def token_bytes(self) -> dict[int, bytes]:
+        """The bytes each token id stands for in decoded text (special tokens left out): a
+        byte-level BPE token spells its bytes as printable characters (GPT-2's map), a
+        SentencePiece one writes spaces as U+2581 and unknown bytes as <0xNN>."""
+        spec = json.loads(self._tok.to_str())
+        decoders = spec.get("decoder") or {}
+        kinds = {d.get("type") for d in decoders.get("decoders", [decoders])}
+        byte_level = "ByteLevel" in kinds
+        unmap = {c: b for b, c in _gpt2_bytes().items()}
+        special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+        added = {t["id"] for t in spec.get("added_tokens", [])}
+        out = {}
+        for token, i in self._tok.get_vocab(with_added_tokens=True).items():
+            if i in special:
+                continue
+            if i in added:  # added tokens are written as they read
+                out[i] = token.encode()
+            elif byte_level:
+                out[i] = bytes(unmap[c] for c in token) if all(c in unmap for c in token) else token.encode()
+            elif (m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", token)) and "ByteFallback" in kinds:
+                out[i] = bytes([int(m.group(1), 16)])
+            else:
+                out[i] = token.replace("\u2581", " ").encode()
+        return out
+
     @property
     def eos_token(self) -> str | None:
         """The first end-of-sequence token's string (chat templates print it)."""
         return self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
+
+
+def _gpt2_bytes() -> dict[int, str]:
+    """GPT-2's byte -> printable character map of byte-level BPE vocabularies."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    extra = iter(range(256, 512))
+    return {b: chr(b if b in printable else next(extra)) for b in range(256)}
 
 
 class IncrementalDecoder:

@@ -2,6 +2,7 @@
 
     body = await read_request(request, state)              # 503 when not serving, 413, 400
     ids = await tokenize(state, fn, prompts, param="prompt")  # on the tokenize pool
+    await compile_grammar(state, parsed)                     # structured output, on the tokenize pool
     choices = await Choices.start(state, jobs, "cmpl")      # every engine request queued, or an error
     results = await choices.results(request)                # non-streaming
     async for index, text, new_ids, lp, result in choices.deltas(stops): ...   # streaming
@@ -72,6 +73,18 @@ async def tokenize(state: ServerState, fn, prompts: list, *, param: str, batched
             log.error("preparing the prompt failed", exc_info=r)
             raise internal_error(r, "internal error while tokenizing the prompt")
     return out
+
+
+async def compile_grammar(state: ServerState, parsed) -> None:
+    """Compile a structured-output request's grammar on the tokenize pool (the engine thread then
+    finds it compiled); an invalid or too large grammar is a 400 naming its parameter."""
+    if parsed.params.grammar is None:
+        return
+    loop = asyncio.get_running_loop()
+    try:
+        parsed.params = await loop.run_in_executor(state.tokenize_pool, state.engine.check_params, parsed.params)
+    except InvalidRequestError as e:
+        raise ApiError(f"'{parsed.grammar_param}': {e}", param=parsed.grammar_param) from None
 
 
 class Choices:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from serving.dispatch import Choices, read_request, sse_response, state_of, tokenize
+from serving.dispatch import Choices, compile_grammar, read_request, sse_response, state_of, tokenize
 from serving.params import parse_generate
 from serving.protocol import GenerateRequest, body_schema
 from serving.responses import SSE_DONE, generate_item, sse
@@ -32,6 +32,7 @@ async def generate(request: Request):
     parsed = parse_generate(await read_request(request, state), state.limits())
     param = "text" if isinstance(parsed.prompts[0], str) else "input_ids"
     prompt_ids = await tokenize(state, state.engine.encode_prompt, parsed.prompts, param=param, batched=parsed.batched)
+    await compile_grammar(state, parsed)
     choices = await Choices.start(state, parsed.jobs(prompt_ids, state.max_model_len), "gen")
     many = parsed.batched or parsed.n > 1
     prompt_len = [len(ids) for ids in prompt_ids for _ in range(parsed.n)]

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 
 from dspark_jax.errors import InvalidRequestError
 from serving.chat import render_chat
-from serving.dispatch import Choices, check_model, read_request, sse_response, state_of, tokenize
+from serving.dispatch import Choices, check_model, compile_grammar, read_request, sse_response, state_of, tokenize
 from serving.params import ParsedRequest, parse_chat, parse_completion
 from serving.protocol import ChatCompletionRequest, CompletionRequest, body_schema
 from serving.responses import (
@@ -35,6 +35,7 @@ router = APIRouter()
 async def _serve(request: Request, parsed: ParsedRequest, prompt_ids: list[list[int]], shape, echo: list[str]):
     """Run every choice of a parsed completion or chat request; answer in `shape`."""
     state, n, per = state_of(request), parsed.n, parsed.per_prompt
+    await compile_grammar(state, parsed)
     choices = await Choices.start(state, parsed.jobs(prompt_ids, state.max_model_len), shape.prefix)
     base = {"id": choices.id, "created": now(), "model": state.cfg.model_name}
     prompt_tokens = sum(len(ids) for ids in prompt_ids)  # once per prompt, not per choice

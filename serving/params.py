@@ -31,11 +31,18 @@ Logprobs, penalties, logit bias and min_tokens (dspark_jax/logit_processors.py, 
 ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``min_tokens`` (/generate:
 ``min_new_tokens``) and ``logit_bias`` go to SamplingParams as they are.  An engine without
 logit processors (``--logit-processors off``) refuses them all with a 400 naming them.
+
+Structured output (dspark_jax/grammar): OpenAI's ``response_format`` ({"type": "json_object"},
+{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}; "text" is no constraint)
+and SGLang's ``regex`` / ``json_schema`` (a JSON string), at most one per request, become
+SamplingParams.grammar; the grammar is compiled on the tokenize pool (dispatch.compile_grammar),
+where an invalid or too large one is a 400 naming the parameter.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from dspark_jax.errors import InvalidRequestError
 from dspark_jax.sampling import SamplingParams
@@ -78,6 +85,7 @@ class ParsedRequest:
     max_tokens_given: bool = True  # chat: False when the server picks max_tokens
     logprobs: int | None = None  # top k the client asked for (None: no logprobs in the answer)
     best_of: int | None = None  # > n: candidates per prompt, the best n returned
+    grammar_param: str | None = None  # the parameter that set params.grammar (named by its errors)
 
     @property
     def per_prompt(self) -> int:
@@ -137,6 +145,31 @@ def _max_tokens(v, default: int, lim: Limits, name: str) -> int:
     return v
 
 
+def _grammar(r) -> tuple[tuple[str, str] | None, str | None]:
+    """(SamplingParams.grammar, the parameter that set it) of a request's structured-output fields."""
+    given = [(name, v) for name in ("response_format", "regex", "json_schema")
+             if (v := getattr(r, name, None)) is not None and v != {"type": "text"}]
+    if len(given) > 1:
+        raise ApiError(f"give at most one of {', '.join(repr(n) for n, _ in given)}", param=given[1][0])
+    if not given:
+        return None, None
+    name, v = given[0]
+    if name != "response_format":
+        return (name, v), name
+    kind = v.get("type")
+    if kind == "json_object" and set(v) == {"type"}:
+        return ("json_object", ""), name
+    spec = v.get("json_schema")
+    if kind != "json_schema" or set(v) != {"type", "json_schema"}:
+        raise ApiError('\'response_format\' must be {"type": "text"}, {"type": "json_object"} or {"type": '
+                       f'"json_schema", "json_schema": {{...}}}}; got {short(v)}', param=name)
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict) \
+            or not set(spec) <= {"name", "description", "schema", "strict"}:
+        raise ApiError("'response_format.json_schema' must be an object with 'name' and 'schema' (an object), "
+                       f"and optionally 'description' and 'strict'; got {short(spec)}", param=name)
+    return ("json_schema", json.dumps(spec.get("schema", {}))), name
+
+
 _PROCESSOR_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias")
 
 
@@ -145,6 +178,8 @@ def _sampling(r, lim: Limits, max_new_tokens: int, seed, *, logprobs: int | None
     """SamplingParams of a request's sampling fields; `asked`: the logprob parameters it set
     (named when the engine has no logit processors)."""
     min_tokens = getattr(r, min_tokens_name, None) or 0
+    grammar, grammar_param = _grammar(r)
+    asked += (grammar_param,) if grammar_param else ()
     p = SamplingParams(
         max_new_tokens=max_new_tokens,
         temperature=1.0 if r.temperature is None else float(r.temperature),
@@ -160,6 +195,7 @@ def _sampling(r, lim: Limits, max_new_tokens: int, seed, *, logprobs: int | None
         repetition_penalty=1.0 if r.repetition_penalty is None else r.repetition_penalty,
         min_tokens=min_tokens,
         logit_bias=dict(r.logit_bias or {}),
+        grammar=grammar,
     )
     if not lim.logit_processors and p.needs_processed_steps:
         names = [*asked, *(min_tokens_name if f == "min_tokens" else f for f in _PROCESSOR_FIELDS
@@ -202,6 +238,7 @@ def _openai_common(r, lim: Limits, max_new_tokens: int, num_prompts: int, logpro
         _choices(per_prompt, num_prompts, lim, "best_of")
     elp = logprobs if engine_logprobs is None else engine_logprobs
     return {"params": _sampling(r, lim, max_new_tokens, r.seed, logprobs=elp, asked=asked), "n": n,
+            "grammar_param": _grammar(r)[1],
             "stream": bool(r.stream), "include_usage": bool(r.stream_options and r.stream_options.include_usage),
             "spec_details": bool(r.return_spec_tokens_details), "model": r.model, "logprobs": logprobs}
 
@@ -272,4 +309,4 @@ def parse_generate(body: dict, lim: Limits) -> ParsedRequest:
     params = _sampling(sp, lim, _max_tokens(sp.max_new_tokens, 128, lim, "max_new_tokens"), seed, logprobs=logprobs,
                        min_tokens_name="min_new_tokens", asked=("return_logprob",) if r.return_logprob else ())
     return ParsedRequest(prompts, params, n=_choices(sp.n, len(prompts), lim), batched=batched, stream=bool(r.stream),
-                         logprobs=logprobs)
+                         logprobs=logprobs, grammar_param=_grammar(sp)[1])

@@ -62,8 +62,9 @@ class _SamplingFields(_Strict):
     min_p: float | None = Field(None, description="not implemented: only 0")
     logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100], added to its logit")
     skip_special_tokens: bool | None = Field(None, description="only true")
-    regex: Any = Field(None, description="not implemented")
-    json_schema: Any = Field(None, description="not implemented")
+    regex: str | None = Field(None, description="the output matches this regex (structured output)")
+    json_schema: str | None = Field(None, description="the output is JSON following this JSON schema, given as a "
+                                                      "JSON string (structured output)")
     ebnf: Any = Field(None, description="not implemented")
 
 
@@ -74,7 +75,9 @@ class _OpenAIFields(_SamplingFields):
     model: str | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    response_format: dict[str, Any] | None = Field(None, description='only {"type": "text"}')
+    response_format: dict[str, Any] | None = Field(
+        None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+                          '{"name": ..., "schema": {...}}}: the output is any JSON object / follows the schema')
     user: str | None = Field(None, description="accepted and ignored")
     safety_identifier: str | None = Field(None, description="accepted and ignored")
     return_spec_tokens_details: bool | None = Field(None, description="add sglext.spec_tokens_details")
@@ -159,17 +162,13 @@ def body_schema(model) -> dict:
 UNSUPPORTED: dict[str, tuple] = {
     "suffix": (lambda v: v == "", "only an empty suffix is accepted"),
     "min_p": (lambda v: v == 0, "only 0 is accepted"),
-    "response_format": (lambda v: v == {"type": "text"},
-                        'only {"type": "text"} is accepted (no JSON mode or structured output)'),
     "tools": (lambda v: not v, "no tool calling"),
     "tool_choice": (lambda v: v == "none", 'no tool calling (only "none" is accepted)'),
     "parallel_tool_calls": (lambda v: False, "no tool calling"),
     "functions": (lambda v: not v, "no function calling"),
     "function_call": (lambda v: v == "none", 'no function calling (only "none" is accepted)'),
-    "regex": (lambda v: False, "no constrained decoding"),
-    "json_schema": (lambda v: False, "no constrained decoding"),
-    "ebnf": (lambda v: False, "no constrained decoding"),
-    "structural_tag": (lambda v: False, "no constrained decoding"),
+    "ebnf": (lambda v: False, "no EBNF grammars (regex, json_schema and response_format are)"),
+    "structural_tag": (lambda v: False, "no structural tags (regex, json_schema and response_format are)"),
     "skip_special_tokens": (lambda v: v is True, "only true is accepted (special tokens are left out of the text)"),
     "no_stop_trim": (lambda v: v is False, "only false is accepted (stop strings are cut from the text)"),
     "store": (lambda v: v is False, "only false is accepted (nothing is stored)"),

@@ -811,7 +811,7 @@ def test_soak_smoke_against_the_embedded_model(tmp_path):
     assert (tmp_path / "ci.md").read_text().startswith("# Soak") and (tmp_path / "ci.png").stat().st_size > 0
 
 
-def test_speculative_server_concurrent_streams_and_disconnect(tmp_path_factory):
+def test_speculative_server_concurrent_streams_and_disconnect(tmp_path_factory, monkeypatch):
     """The default serving path is speculative: 64 concurrent greedy streams through an overlapped
     compact-mode DSpark engine each equal plain greedy decoding of that prompt alone, and a client
     that disconnects mid-stream frees its slot and every KV page (target and draft caches share them)."""
@@ -867,6 +867,9 @@ def test_speculative_server_concurrent_streams_and_disconnect(tmp_path_factory):
                        timeout=60, trust_env=False).json()
         assert [len(x["output_ids"]) for x in g] == [10] * 6 and len({tuple(x["output_ids"]) for x in g}) > 1
         _wait_idle(S)
+        # paced engine steps, so the 200 tokens (about 25 rounds) are still running when the client leaves
+        real_step = engine.step
+        monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.02), real_step())[1])
         body = {"input_ids": [7, 8, 9], "stream": True,
                 "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
         with httpx.Client(trust_env=False, timeout=30) as c:
@@ -992,7 +995,7 @@ HOSTILE = [
     ("/v1/chat/completions", {**CHAT_HI, "min_tokens": 5000}, "min_tokens", "min_tokens must be"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias", "outside the vocabulary"),
     ("/v1/completions", {"prompt": "hi", "min_p": 0.05}, "min_p", "min_p"),
-    ("/v1/chat/completions", {**CHAT_HI, "response_format": {"type": "json_object"}}, "response_format", "JSON mode"),
+    ("/v1/chat/completions", {**CHAT_HI, "response_format": {"type": "xml"}}, "response_format", "json_schema"),
     ("/v1/chat/completions", {**CHAT_HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool"),
     ("/v1/chat/completions", {**CHAT_HI, "tool_choice": "auto"}, "tool_choice", "tool"),
     ("/v1/chat/completions", {**CHAT_HI, "functions": [{"name": "f"}]}, "functions", "function"),
@@ -1001,12 +1004,12 @@ HOSTILE = [
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
      "messages", "tool_calls"),
     ("/v1/chat/completions", {**CHAT_HI, "store": True}, "store", "stored"),
-    ("/v1/chat/completions", {**CHAT_HI, "regex": "a+"}, "regex", "constrained"),
-    ("/v1/completions", {"prompt": "hi", "json_schema": "{}"}, "json_schema", "constrained"),
+    ("/v1/chat/completions", {**CHAT_HI, "regex": "a("}, "regex", "cannot compile"),
+    ("/v1/completions", {"prompt": "hi", "json_schema": "{"}, "json_schema", "not valid JSON"),
     ("/v1/completions", {"prompt": "hi", "skip_special_tokens": False}, "skip_special_tokens", "special tokens"),
     ("/generate", {"text": "hi", "top_logprobs_num": 2}, "top_logprobs_num", "needs 'return_logprob'"),
     *[("/generate", {"text": "hi", "sampling_params": {k: v}}, k, k) for k, v in (
-        ("min_p", 0.1), ("json_schema", '{"type": "object"}'), ("regex", "[a-z]+"), ("ebnf", "root ::= 'a'"),
+        ("min_p", 0.1), ("json_schema", '{"type": 5}'), ("regex", 5), ("ebnf", "root ::= 'a'"),
         ("structural_tag", "{}"), ("no_stop_trim", True), ("n", 0))],
     # unknown fields are named
     ("/v1/completions", {"prompt": "hi", "foo": 1, "bar": None}, "foo", "'foo', 'bar'"),

@@ -38,6 +38,10 @@ class EngineConfig:
     # others (at start-up unless precompile is off; twice a speculative engine's round
     # executables), "off" refuses such requests and keeps no processor state.
     logit_processors: str = "lazy"
+    # Structured output (dspark_jax/grammar): device rows of the grammar tables of admitted
+    # requests (one int32 row per DFA state and vocabulary id), which also bounds one grammar's
+    # states; 0: what 256 MB holds, within [256, 4096].
+    grammar_states: int = 0
     # Tensor parallelism: the devices one engine's model and caches are split over (Megatron
     # style, dspark_jax/parallel); 1 keeps the single-device path exactly.
     tp_size: int = 1
@@ -56,6 +60,8 @@ class EngineConfig:
             raise ValueError(f"kernels must be one of {BACKENDS}, got {self.kernels!r}")
         if self.logit_processors not in LOGIT_PROCESSORS:
             raise ValueError(f"logit_processors must be one of {LOGIT_PROCESSORS}, got {self.logit_processors!r}")
+        if not isinstance(self.grammar_states, int) or self.grammar_states < 0:
+            raise ValueError(f"grammar_states must be an integer >= 0, got {self.grammar_states!r}")
         for name in ("tp_size", "dp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -33,6 +33,7 @@ from dspark_jax.engine.request import GenerationResult, Request, Status
 from dspark_jax.engine.scheduler import Scheduler
 from dspark_jax.engine.worker import PlainWorker, Worker
 from dspark_jax.errors import InvalidRequestError
+from dspark_jax.grammar.compile import GrammarCompiler
 from dspark_jax.kv_cache import allocate_kv_cache, kv_bytes_per_token
 from dspark_jax.layers.layer_split import split_layers
 from dspark_jax.logit_processors import MAX_STOP_IDS, LogitProcessors
@@ -123,13 +124,16 @@ class Engine:
         # Under tensor parallelism the processor state is replicated, as the gathered logits are.
         self.processors = None if ec.logit_processors == "off" else LogitProcessors(
             self.runner, slots=ec.max_running_requests, vocab=par.vocab_width(self.config.vocab_size),
-            max_len=self.max_model_len, precompile=ec.logit_processors == "precompile")
+            max_len=self.max_model_len, precompile=ec.logit_processors == "precompile", grammar_rows=ec.grammar_states)
         self.prefill_seqs = min(ec.max_prefill_seqs, ec.max_running_requests)
         self.decode_buckets = batch_ladder(ec.max_running_requests)
         self.prefill_buckets = batch_ladder(ec.max_prefill_tokens, start=min(16, ec.max_prefill_tokens))
         self.scheduler = Scheduler(self.pool, max_running=ec.max_running_requests,
                                    max_prefill_tokens=ec.max_prefill_tokens, max_prefill_seqs=self.prefill_seqs)
         self.eos_ids = frozenset(self.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids if tokenizer else ())
+        self.grammars = None if self.processors is None else GrammarCompiler(
+            tokenizer, self.eos_ids, self.processors.vocab, max_states=self.processors.grammar.rows)
+        self.scheduler.gate = self._acquire_grammar
         self._rng = np.random.default_rng(ec.seed)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
@@ -233,9 +237,15 @@ class Engine:
         params = dataclasses.replace(params) if params else SamplingParams()
         params.validate(vocab_size=self.num_tokens)
         if params.needs_processed_steps and self.processors is None:
-            raise InvalidRequestError("logprobs, penalties, logit_bias and min_tokens need an engine with logit "
-                                      "processors (EngineConfig.logit_processors is 'off')")
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
+            raise InvalidRequestError("logprobs, penalties, logit_bias, min_tokens and structured output need an "
+                                      "engine with logit processors (EngineConfig.logit_processors is 'off')")
+        g = params.compiled_grammar
+        if params.grammar is None:
+            params.compiled_grammar = None
+        elif g is None or g.key != tuple(params.grammar) or g.table.shape[1] != self.processors.vocab:
+            # (compiled already, off the engine thread, where a server checked the request)
+            params.compiled_grammar = self.grammars.compile(*params.grammar)
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos and not params.grammar else set(self.eos_ids))
         if params.min_tokens and len(stops) > MAX_STOP_IDS:
             raise InvalidRequestError(f"min_tokens masks at most {MAX_STOP_IDS} stop and EOS ids; this request "
                                       f"has {len(stops)}")
@@ -292,6 +302,13 @@ class Engine:
         self._release_finished()
         return events
 
+    def _acquire_grammar(self, req: Request) -> bool:
+        """Admission's check of a request's grammar rows (reserved now; False: no room yet)."""
+        if req.grammar is None:
+            return True
+        req.grammar_row = self.processors.grammar.acquire(req.grammar)
+        return req.grammar_row is not None
+
     def _prefill(self, chunks):
         """Prefill prompt chunks; a request whose prompt is now cached starts decoding with its
         sampled first token."""
@@ -333,6 +350,9 @@ class Engine:
     def _release_finished(self) -> None:
         for req in self.scheduler.release_finished():
             self.worker.release(req)
+            if req.grammar_row is not None:
+                self.processors.grammar.release(req.grammar)
+                req.grammar_row = None
             self._requests.pop(req.id, None)
 
     # -- batch API -----------------------------------------------------------------------------

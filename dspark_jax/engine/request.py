@@ -57,7 +57,13 @@ class Request:
         self.output_ids: list[int] = []
         self.num_cached = 0  # tokens whose K/V are in the cache
         self.finish_reason: str | None = None
-        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
+        # A grammar (a compiled dspark_jax.grammar Grammar) is walked on the host too, to end the
+        # request where only EOS may follow; its EOS always stops it.
+        self.grammar = params.compiled_grammar
+        self.grammar_state = 0  # the grammar's state after the committed tokens
+        self.grammar_row = None  # its first row in the engine's grammar pool while admitted
+        eos = eos_ids if self.grammar is not None or not params.ignore_eos else frozenset()
+        self.stop_ids = frozenset(params.stop_token_ids) | eos
         self.processed = params.needs_processed_steps  # runs the engine's processed executables
         wants = params.logprobs is not None
         self.logprobs: list[float] | None = [] if wants else None  # per output token (GenerationResult)
@@ -127,6 +133,8 @@ class Request:
                 self.output_ids.append(t)
                 committed.append(t)
                 self._check_stop(t)
+                if self.grammar is not None and self.status is not Status.FINISHED and self._walk_grammar([t]) is not None:
+                    self.finish("stop")
             return committed
         # No stop strings: find the cut from the ids alone, then detokenize the whole run in one
         # call (a speculative round commits up to gamma + 1 tokens per request).
@@ -135,6 +143,10 @@ class Request:
         if self.stop_ids and not self.stop_ids.isdisjoint(committed):  # (one set test for the usual case)
             n = next(i for i, t in enumerate(committed) if t in self.stop_ids) + 1
             committed, reason = committed[:n], "stop"
+        if self.grammar is not None:
+            n = self._walk_grammar(committed)
+            if n is not None:
+                committed, reason = committed[:n], "stop"
         self.output_ids.extend(committed)
         if self.decoder is not None:
             self._undecoded.extend(committed)
@@ -143,6 +155,20 @@ class Request:
         if reason is not None:
             self.finish(reason)
         return committed
+
+    def _walk_grammar(self, ids: list[int]) -> int | None:
+        """Advance the grammar state over ids.  Where they reach a state after which only EOS
+        may come, the request ends: how many of them to keep (up to that state, a token the
+        grammar does not allow left out); None where it goes on."""
+        g = self.grammar
+        for i, t in enumerate(ids):
+            nxt = g.next_state(self.grammar_state, t)
+            if nxt < 0:
+                return i
+            self.grammar_state = nxt
+            if g.terminal[nxt]:
+                return i + 1
+        return None
 
     def _decode_pending(self) -> None:
         if self._undecoded:

@@ -27,6 +27,7 @@ class Scheduler:
         self.running: list[Request] = []  # admitted: PREFILL or DECODE, in admission order
         self._free_slots = list(range(max_running - 1, -1, -1))  # popped from the end: lowest first
         self._generation = 0
+        self.gate = None  # gate(req) -> whether the engine's other per-request resources admit it now (reserving them)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -37,7 +38,7 @@ class Scheduler:
     def admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:
             req = self.waiting[0]
-            if not self.pool.can_reserve(req.id, req.reserve_tokens):
+            if not self.pool.can_reserve(req.id, req.reserve_tokens) or (self.gate is not None and not self.gate(req)):
                 break  # FIFO: later requests wait behind it rather than starve it
             self.pool.reserve(req.id, req.reserve_tokens)
             self.waiting.popleft()

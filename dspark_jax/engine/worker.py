@@ -20,7 +20,7 @@ from dspark_jax.engine.flat_state import with_flat_states
 from dspark_jax.engine.model_runner import abstract, round_up
 from dspark_jax.engine.request import Request, Status
 from dspark_jax.forward_batch import ForwardBatch, build_forward_batch, shape_struct
-from dspark_jax.logit_processors import LogitProcessors, sample_processed
+from dspark_jax.logit_processors import CONSTRAINED, LogitProcessors, sample_processed
 from dspark_jax.logprobs import TokenLogprobs
 from dspark_jax.parallel.host import prefetch, to_host
 from dspark_jax.sampling import sampling_arrays, sampling_struct
@@ -95,6 +95,13 @@ def prefill_batch(engine, chunks) -> tuple[ForwardBatch, tuple]:
     return batch, sampling
 
 
+def prefill_level(chunks) -> int:
+    """The processing level of a prefill (which always processes): CONSTRAINED where a chunk
+    completes the prompt of a request with a grammar, else True."""
+    done = (r for r, n in chunks if r.num_cached + n == len(r.prompt_ids))
+    return CONSTRAINED if any(r.grammar is not None for r in done) else True
+
+
 def prefill_shapes(engine) -> list[tuple[int, int]]:
     """(tokens, sequences) of every prefill executable."""
     return [(t, engine.prefill_seqs) for t in engine.prefill_buckets]
@@ -120,7 +127,8 @@ class _DecodeStep:
 class PlainWorker(Worker):
     """One token per request per step.  Decode steps compile per bucket for all-greedy batches
     (argmax only), batches that sample, and batches holding a request with logit processors or
-    logprobs ("processed": dspark_jax/logit_processors.py), picked on the host."""
+    logprobs ("processed": dspark_jax/logit_processors.py) or a grammar ("constrained"; prefill:
+    "any-constrained"), picked on the host."""
 
     def bind(self, engine) -> None:
         super().bind(engine)
@@ -128,12 +136,12 @@ class PlainWorker(Worker):
         self._compiled: dict = {}
 
         def step(state, cache, lstate, batch: ForwardBatch, sampling, *, prefill: bool, variant: str):
-            """lstate: the logit-processor state (prefill, "processed"; else None), whose rows
-            sampling[5] names."""
+            """lstate: the logit-processor state (prefill, "processed", "constrained"; else None),
+            whose rows sampling[5] names."""
             model = nnx.merge(runner.graphdef, state)
             out = model(cache, batch, **runner.forward_options(prefill))
             tokens, lp, lstate = sample_processed(out.logits, sampling[:5], lstate, sampling[5] if lstate is not None else None,
-                                                  variant="any" if variant == "processed" else variant)
+                                                  variant=variant if variant in ("greedy", "stochastic") else "any")
             return tokens, lp, out.cache, lstate
 
         # Per shard under tensor parallelism (the parameters, the cache by KV heads, the rest
@@ -142,7 +150,8 @@ class PlainWorker(Worker):
                                   outs=(None, None, "kv", None))
         self._jit = {(prefill, variant): jax.jit(shard(with_flat_states(
             functools.partial(step, prefill=prefill, variant=variant), (runner.state_def,))), donate_argnums=(1, 2))
-            for prefill, variant in ((True, "any"), (False, "greedy"), (False, "stochastic"), (False, "processed"))}
+            for prefill, variant in ((True, "any"), (True, "any-constrained"), (False, "greedy"), (False, "stochastic"),
+                                     (False, "processed"), (False, "constrained"))}
 
     def _shapes(self):
         e = self.engine
@@ -154,17 +163,19 @@ class PlainWorker(Worker):
     def _lstate(self, variant: str):
         """The logit-processor state a step of this variant takes (None: it takes none)."""
         processors = self.engine.processors
-        return processors.state if processors is not None and variant in ("any", "processed") else None
+        if processors is None or variant in ("greedy", "stochastic"):
+            return None
+        return processors.state_for(CONSTRAINED if variant.endswith("constrained") else True)
 
     def executables(self):
-        return [(f"{'prefill' if v == 'any' else 'decode'} tokens={T} seqs={S} pages={P} {v}",
+        return [(f"{'prefill' if v.startswith('any') else 'decode'} tokens={T} seqs={S} pages={P} {v}",
                  functools.partial(self._executable, T, S, P, v)) for T, S, P, v in self._shapes()]
 
     def _executable(self, T: int, S: int, P: int, variant: str):
         key = (T, S, P, variant)
         if key not in self._compiled:
             runner = self.engine.runner
-            prefill = variant == "any"
+            prefill = variant.startswith("any")
             lstate = self._lstate(variant)
             samp = prefill_sampling_struct(self.engine, S) if lstate is not None else sampling_struct(S)
             self._compiled[key] = runner.compile(self._jit[prefill, variant].lower(
@@ -172,22 +183,22 @@ class PlainWorker(Worker):
         return self._compiled[key]
 
     def run(self, batch: ForwardBatch, sampling, variant: str):
-        """Dispatch one step on a packed batch (variant: "any" for prefill, "greedy",
-        "stochastic" or "processed" for decode; the last two sample the same way, "processed"
-        with logit processors, whose slot column ends its sampling arrays).  Returns its sampled
-        tokens, not yet read; "any" and "processed" also their logprobs: (tokens, TokenLogprobs
-        or None)."""
+        """Dispatch one step on a packed batch (variant: "any" or "any-constrained" for prefill,
+        "greedy", "stochastic", "processed" or "constrained" for decode; the last three sample
+        the same way, the processed ones with logit processors, whose slot column ends their
+        sampling arrays).  Returns its sampled tokens, not yet read; all but "greedy" and
+        "stochastic" also their logprobs: (tokens, TokenLogprobs or None)."""
         runner = self.engine.runner
         S, P = batch.page_table.shape
         fn = self._executable(batch.input_ids.shape[0], S, P, variant)
         lstate = self._lstate(variant)
         tokens, lp, runner.cache, lstate = fn(runner.state, runner.cache, lstate, batch, sampling)
         if lstate is not None:
-            self.engine.processors.state = lstate
+            self.engine.processors.keep(lstate)
         return tokens if variant in ("greedy", "stochastic") else (tokens, lp)
 
     def prefill(self, chunks):
-        return self.run(*prefill_batch(self.engine, chunks), "any")
+        return self.run(*prefill_batch(self.engine, chunks), "any" if prefill_level(chunks) is True else "any-constrained")
 
     def feeds(self, prev, reqs):
         return prev.reqs == reqs
@@ -205,8 +216,10 @@ class PlainWorker(Worker):
             batch = batch._replace(input_ids=prev.tokens)
         sampling = sampling_arrays([r.params for r in reqs], [r.seed for r in reqs],
                                    [r.total_len + ahead for r in reqs], B)
-        if any(r.processed for r in reqs):
-            tokens, lp = self.run(batch, sampling + (LogitProcessors.slots(reqs, B),), "processed")
+        level = LogitProcessors.level(reqs)
+        if level:
+            variant = "constrained" if level == CONSTRAINED else "processed"
+            tokens, lp = self.run(batch, sampling + (LogitProcessors.slots(reqs, B),), variant)
             for x in lp:
                 prefetch(x)
         else:

@@ -107,7 +107,8 @@ class LeaderEngine:
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         rid = self._engine.add_request(prompt, params, request_id)
         req = self._engine.get_request(rid)
-        sent = dataclasses.replace(req.params, seed=req.seed)  # the followers draw no seeds of their own
+        # the followers draw no seeds of their own, and compile a grammar themselves
+        sent = dataclasses.replace(req.params, seed=req.seed, compiled_grammar=None)
         self._pending.append(["add", list(map(int, req.prompt_ids)), dataclasses.asdict(sent), rid])
         return rid
 

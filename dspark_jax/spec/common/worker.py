@@ -28,7 +28,9 @@ class RoundArrays(NamedTuple):
     top_p: np.ndarray
     seed: np.ndarray
     logit_slot: np.ndarray  # [S] int32 logit-processor rows, -1: none
-    processed: bool  # some request uses logit processors or logprobs: the round runs a processed executable
+    # some request uses logit processors or logprobs (True; CONSTRAINED: a grammar): the round runs
+    # a processed (constrained) executable
+    processed: int | bool
 
 
 class DraftWorker(Worker):
@@ -80,15 +82,16 @@ class DraftWorker(Worker):
         fn = self.engine.parallel.shard_step(fn, ins=("target", "drafter", *ins), outs=outs)
         return jax.jit(fn, donate_argnums=donate, static_argnames=static)
 
-    def lstate(self, processed: bool):
+    def lstate(self, processed: int | bool):
         """The logit-processor state a step takes: the engine's in a prefill (where the engine
-        has one) or a processed round, else None."""
-        return self.engine.processors.state if processed and self.engine.processors is not None else None
+        has one) or a processed round (with the grammar state in a CONSTRAINED one), else None."""
+        processors = self.engine.processors
+        return processors.state_for(processed) if processors is not None else None
 
     def keep_lstate(self, lstate) -> None:
         """Store the state a step returned (donated: the old one is gone)."""
         if lstate is not None:
-            self.engine.processors.state = lstate
+            self.engine.processors.keep(lstate)
 
     def processed_variants(self) -> tuple[bool, ...]:
         """Which round variants compile with the others: processed ones too where the engine
@@ -128,7 +131,7 @@ class DraftWorker(Worker):
             table[i] = r.page_row[:P]
         temp, top_k, top_p, seed, _ = sampling_arrays([r.params for r in reqs], [r.seed for r in reqs], [0] * bs, S)
         arrays = RoundArrays(live, table, temp, top_k, top_p, seed, LogitProcessors.slots(reqs, S),
-                             any(r.processed for r in reqs))
+                             LogitProcessors.level(reqs))
         for a in arrays[:-1]:
             a.flags.writeable = False
         self._last_arrays = (key, arrays)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.forward_batch import ForwardBatch
+from dspark_jax.grammar import dfa
 from dspark_jax.kv_cache import KVCache
 from dspark_jax.layers.attention import paged_attention
 from dspark_jax.layers.layer_split import run_layers
@@ -223,14 +224,16 @@ class BlockSample(NamedTuple):
 
 
 def sample_block(drafter: DSparkDrafter, out_hidden, base_logits, anchor, temperature, keys,
-                 unroll: bool = False) -> BlockSample:
+                 unroll: bool = False, grammar=None) -> BlockSample:
     """Left-to-right sampling of one block per sequence under lax.scan (``unroll``: the gamma
     steps as straight-line code; on the GPU an XLA while loop is driven from the host iteration
     by iteration, which a serving step at batch 1 cannot afford).
 
     out_hidden [S, gamma, d], base_logits [S, gamma, V], anchor [S], temperature [S] (0 =
     greedy), keys [S] PRNG keys (one per sequence).  Position k's previous token is the anchor
-    for k = 0, then the token just drafted; the same temperature as the target is used."""
+    for k = 0, then the token just drafted; the same temperature as the target is used.
+    grammar: (GrammarState, each sequence's DFA row [S]) of a constrained round: position k is
+    masked by the row after the drafts before it, and the masked logits are the q returned."""
     S, G, _ = out_hidden.shape
     h_t = jnp.moveaxis(out_hidden, 1, 0)
     u_t = jnp.moveaxis(base_logits, 1, 0)
@@ -239,20 +242,26 @@ def sample_block(drafter: DSparkDrafter, out_hidden, base_logits, anchor, temper
     step_keys = jax.vmap(lambda k: jax.random.split(k, G))(keys)  # [S, G, 2]
     step_keys = jnp.moveaxis(step_keys, 1, 0)
 
+    g, rows0 = grammar if grammar is not None else (None, jnp.zeros((S,), jnp.int32))
+
     def body(carry, xs):
-        prev, state = carry
+        prev, state, rows = carry
         h, u, kk = xs
         if mk is not None:
             bias, e, state = mk.step(h, prev, state)
             logits = u + bias
         else:
             e, logits = None, u
+        if g is not None:
+            logits = dfa.mask(logits, g, rows)
         top = jnp.argmax(logits, -1).astype(jnp.int32)
         drawn = jax.vmap(jax.random.categorical)(kk, logits / jnp.maximum(temperature, 1e-6)[:, None])
         tok = jnp.where(temperature > 0, drawn.astype(jnp.int32), top)
+        if g is not None:
+            rows = dfa.advance(g, rows, tok)
         z = drafter.confidence_logits(h, e)
-        return (tok, state), (tok, logits, z)
+        return (tok, state, rows), (tok, logits, z)
 
-    _, (toks, logits, z) = jax.lax.scan(body, (anchor.astype(jnp.int32), state0), (h_t, u_t, step_keys),
+    _, (toks, logits, z) = jax.lax.scan(body, (anchor.astype(jnp.int32), state0, rows0), (h_t, u_t, step_keys),
                                         unroll=bool(unroll))
     return BlockSample(jnp.moveaxis(toks, 0, 1), jnp.moveaxis(logits, 0, 1), jnp.moveaxis(z, 0, 1))

@@ -63,6 +63,7 @@ def _cache_key(worker, context: int) -> str:
              "max_running": e.ec.max_running_requests, "page_size": e.ec.page_size, "pages": e.pages_per_seq,
              "kernels": [e.runner.backend, e.runner.norm_backend, e.runner.kv_write_backend], "unroll": e.runner.unroll,
              "dtype": str(e.runner.dtype), "rounds": worker.rounds, "context": context,
+             "shapes": worker.tiers.shapes(),  # the compiled (tokens, rows) a round's cost depends on
              "device": e.parallel.device.device_kind, "jax": jax.__version__}
     if e.parallel.tp_size > 1:  # (absent at tp 1, so single-device tables keep their keys)
         facts["tp_size"] = e.parallel.tp_size

@@ -15,7 +15,9 @@ Only the committed tokens (drafts[:a] + bonus) and small per-request statistics 
 host.  Random keys come per request from (seed, anchor position), so outputs do not depend on
 batch composition.  A processed round (lstate given: a request in the batch uses logit
 processors or logprobs) verifies against the processed target distribution of each window row
-and returns the committed tokens' raw logprobs (dspark_jax/logit_processors.py).
+and returns the committed tokens' raw logprobs (dspark_jax/logit_processors.py); a constrained
+one (its lstate holds the grammar state) also masks each drafted position by the DFA state after
+the drafts before it, so q is the masked distribution the draft was sampled from.
 
 Feeding: a round also returns each request's next anchor and position (padded to the engine's
 slot count R, so every tier's executable shares one shape) and takes the previous round's as
@@ -35,7 +37,7 @@ from flax import nnx
 
 from dspark_jax.forward_batch import ForwardBatch
 from dspark_jax.kv_cache import KVCache
-from dspark_jax.logit_processors import LogitState, commit_window, process_window, sample_processed
+from dspark_jax.logit_processors import LogitState, commit_window, draft_grammar, process_window, sample_processed
 from dspark_jax.logprobs import TokenLogprobs, empty_logprobs, logprob_shapes
 from dspark_jax.spec.common.acceptance import target_probs, verify
 from dspark_jax.spec.common.inputs import RoundBatch, round_inputs
@@ -146,7 +148,8 @@ def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCa
     blk = block_batch(inp, G, cfg.mask_token_id, page_size, dcache.drop_slot)
     h, base, dcache = drafter.draft_block(target, dcache, blk, backend=backend, unroll=unroll)
     bs = sample_block(drafter, h.reshape(S, G, -1), base.reshape(S, G, -1), inp.anchor, inp.temperature,
-                      _keys(inp.seed, inp.start, 1), unroll=unroll)
+                      _keys(inp.seed, inp.start, 1), unroll=unroll,
+                      grammar=draft_grammar(lstate, jnp.where(inp.live, inp.logit_slot, -1)))
     survival = jnp.cumprod(jax.nn.sigmoid(bs.confidence / sts_temperatures[None, :]), axis=1)
 
     # 2. Windows: static verifies everything; compact / cap-accept take the top-K.

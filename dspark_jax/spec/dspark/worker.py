@@ -30,7 +30,7 @@ from dspark_jax.calibration.metrics import ConfidenceMetricsAccumulator
 from dspark_jax.calibration.sts import StsCalibration
 from dspark_jax.engine.model_runner import abstract
 from dspark_jax.engine.request import Request, Status
-from dspark_jax.engine.worker import prefill_batch, prefill_sampling_struct, prefill_shapes
+from dspark_jax.engine.worker import prefill_batch, prefill_level, prefill_sampling_struct, prefill_shapes
 from dspark_jax.forward_batch import shape_struct
 from dspark_jax.kv_cache import KVCache
 from dspark_jax.layers.layer_split import split_layers
@@ -65,7 +65,7 @@ class _Call:
     generations: np.ndarray
     dispatched_at: float
     overlapped: bool  # dispatched while another call was in flight
-    processed: bool = False  # ran the processed executable (its results carry logprobs)
+    processed: int | bool = False  # ran the processed executable (its results carry logprobs)
 
 
 class DSparkWorker(DraftWorker):
@@ -177,24 +177,25 @@ class DSparkWorker(DraftWorker):
                     for P in e.page_widths for processed in self.processed_variants()]
         return out
 
-    def _prefill_executable(self, T: int, S: int):
+    def _prefill_executable(self, T: int, S: int, level: int | bool = True):
         e = self.engine
         lower = lambda: self._prefill_jit.lower(
             abstract(e.runner.state), abstract(self.drafter_state), abstract(e.runner.cache), abstract(self.dcache),
-            abstract(self.lstate(True)), shape_struct(T, S, e.pages_per_seq, S), prefill_sampling_struct(e, S))
-        return self.executable(("prefill", T, S), lower)
+            abstract(self.lstate(level)), shape_struct(T, S, e.pages_per_seq, S), prefill_sampling_struct(e, S))
+        return self.executable(("prefill", T, S, level), lower)
 
     def _input_pack(self, S: int, P: int):
         shapes = SpecInputs.shapes(S, P, self.engine.ec.max_running_requests, self.rounds)
         return self.pack(("inputs", S, P), shapes, FED_FIELDS)
 
-    def _result_pack(self, S: int, processed: bool = False):
+    def _result_pack(self, S: int, processed: int | bool = False):
         top = top_width(self.engine.config.vocab_size) if processed else 0
-        return self.pack(("results", S, processed), SpecOutputs.result_shapes(self.rounds, S, self.gamma, top),
+        return self.pack(("results", S, bool(processed)), SpecOutputs.result_shapes(self.rounds, S, self.gamma, top),
                          FED_OUTPUTS)
 
-    def _round_executable(self, mode: str, T: int, S: int, P: int, processed: bool = False):
-        """processed: the variant with logit processors and logprobs (dspark_jax/logit_processors.py)."""
+    def _round_executable(self, mode: str, T: int, S: int, P: int, processed: int | bool = False):
+        """processed: the variant with logit processors and logprobs (dspark_jax/logit_processors.py);
+        CONSTRAINED: with grammar masks too."""
         e, pack = self.engine, self._input_pack(S, P)
         lower = lambda: self._round_jit[mode].lower(
             abstract(e.runner.state), abstract(self.drafter_state), abstract(e.runner.cache), abstract(self.dcache),
@@ -206,9 +207,10 @@ class DSparkWorker(DraftWorker):
     def prefill(self, chunks):
         batch, samp = prefill_batch(self.engine, chunks)
         runner = self.engine.runner
-        fn = self._prefill_executable(batch.input_ids.shape[0], batch.page_table.shape[0])
+        level = prefill_level(chunks)
+        fn = self._prefill_executable(batch.input_ids.shape[0], batch.page_table.shape[0], level)
         tokens, lp, runner.cache, self.dcache, lstate = fn(runner.state, self.drafter_state, runner.cache, self.dcache,
-                                                           self.lstate(True), batch, samp)
+                                                           self.lstate(level), batch, samp)
         self.keep_lstate(lstate)
         return tokens, lp
 

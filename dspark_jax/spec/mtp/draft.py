@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.forward_batch import ForwardBatch, build_forward_batch
+from dspark_jax.grammar import dfa
 from dspark_jax.kv_cache import KVCache
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
 from dspark_jax.spec.mtp.model import MTPDrafter
@@ -95,22 +96,26 @@ def _step_batch(batch: ForwardBatch, tokens: jax.Array, step: jax.Array, page_si
     )
 
 
-def _sample(logits, temperature, keys):
+def _sample(logits, temperature, keys, grammar=None):
+    """(token, the logits it was drawn from): masked by the grammar's rows where given."""
+    if grammar is not None:
+        logits = dfa.mask(logits, *grammar)
     greedy = jnp.argmax(logits, -1).astype(jnp.int32)
     drawn = jax.vmap(jax.random.categorical)(keys, logits / jnp.maximum(temperature, 1e-6)[:, None])
-    return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)
+    return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy), logits
 
 
 def draft_chain(drafter: MTPDrafter, target: Qwen3ForCausalLM, cache: KVCache, batch: ForwardBatch,
                 hidden: jax.Array, temperature: jax.Array, keys: jax.Array, *, num_steps: int,
-                backend: str = "reference", unroll: bool = False) -> tuple[ChainDraft, KVCache]:
+                backend: str = "reference", unroll: bool = False, grammar=None) -> tuple[ChainDraft, KVCache]:
     """k = num_steps chain drafts per request -> (ChainDraft, updated drafter cache).
 
     batch: built by build_draft_batch (or build_forward_batch with logits_rows="last" and
     num_logits = num_seqs); hidden [T, d] aligned with its rows; temperature [S] (0 = greedy);
     keys [S] per-request PRNG keys (draft_keys).  Rows of padding requests return garbage.
     unroll: the k - 1 steps as straight-line code instead of a while loop (the GPU serving path,
-    spec/dspark/step.py)."""
+    spec/dspark/step.py).  grammar: (GrammarState, each request's DFA row [S]) of a constrained
+    round: each step's logits are masked by the row after the drafts before it (and returned so)."""
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
     S = batch.page_table.shape[0]
@@ -122,19 +127,23 @@ def draft_chain(drafter: MTPDrafter, target: Qwen3ForCausalLM, cache: KVCache, b
 
     h_all, cache = drafter.paged(target, hidden.astype(drafter.fc.kernel[...].dtype), batch, cache, backend=backend)
     h = h_all[batch.logits_indices]
-    logits = target.logits(h.astype(target.dtype))
-    tok = _sample(logits, temperature, step_keys[:, 0])
+    g, rows = grammar if grammar is not None else (None, jnp.zeros((S,), jnp.int32))
+    masked = lambda r: None if g is None else (g, r)
+    tok, logits = _sample(target.logits(h.astype(target.dtype)), temperature, step_keys[:, 0], masked(rows))
+    if g is not None:
+        rows = dfa.advance(g, rows, tok)
 
     def body(carry, step):
-        h, tok, kc, vc = carry
+        h, tok, rows, kc, vc = carry
         sb = _step_batch(batch, tok, step, page_size)
         h_new, c = drafter.paged(target, h, sb, KVCache(kc, vc), backend=backend)
-        lg = target.logits(h_new.astype(target.dtype))
-        new_tok = _sample(lg, temperature, step_keys[:, step])
-        return (h_new, new_tok, c.k, c.v), (new_tok, lg, h_new)
+        new_tok, lg = _sample(target.logits(h_new.astype(target.dtype)), temperature, step_keys[:, step], masked(rows))
+        if g is not None:
+            rows = dfa.advance(g, rows, new_tok)
+        return (h_new, new_tok, rows, c.k, c.v), (new_tok, lg, h_new)
 
-    (_, _, kc, vc), (toks, lgs, hs) = jax.lax.scan(
-        body, (h, tok, cache.k, cache.v), jnp.arange(1, num_steps, dtype=jnp.int32), unroll=bool(unroll))
+    (_, _, _, kc, vc), (toks, lgs, hs) = jax.lax.scan(
+        body, (h, tok, rows, cache.k, cache.v), jnp.arange(1, num_steps, dtype=jnp.int32), unroll=bool(unroll))
     tokens = jnp.concatenate([tok[:, None], jnp.moveaxis(toks, 0, 1)], axis=1)
     logits = jnp.concatenate([logits[:, None], jnp.moveaxis(lgs, 0, 1)], axis=1)
     hidden_out = jnp.concatenate([h[:, None], jnp.moveaxis(hs, 0, 1)], axis=1)

@@ -27,7 +27,8 @@ mtp_spec_step, one round for a batch of requests:
   -> carry the kept rows' hidden states and next ids for the next round.
 Only the drafts, the accept counts and the bonus go back to the host.  A processed round (lstate
 given) verifies against each row's processed target distribution and also returns the
-committed tokens' raw logprobs (dspark_jax/logit_processors.py).
+committed tokens' raw logprobs (dspark_jax/logit_processors.py); a constrained one (lstate with
+the grammar state) also masks each chain step by the DFA state after the drafts before it.
 
 Random keys are derived per request from (seed, anchor position), so outputs do not depend on
 batch composition.
@@ -44,7 +45,7 @@ from flax import nnx
 
 from dspark_jax.forward_batch import ForwardBatch
 from dspark_jax.kv_cache import KVCache
-from dspark_jax.logit_processors import LogitState, commit_window, process_window, sample_processed
+from dspark_jax.logit_processors import LogitState, commit_window, draft_grammar, process_window, sample_processed
 from dspark_jax.logprobs import TokenLogprobs, logprob_shapes
 from dspark_jax.spec.common.acceptance import verify
 from dspark_jax.spec.common.inputs import RoundBatch, round_inputs
@@ -160,7 +161,8 @@ def mtp_spec_step(target_def, drafter_def, target_state, drafter_state, tcache: 
     # 1. Draft: extend over the carried rows, then k - 1 chain steps.
     eb, hidden = extend_batch(pending, inp, num_tokens=num_tokens, page_size=page_size)
     chain, dcache = draft_chain(drafter, target, dcache, eb, hidden, inp.temperature,
-                                draft_keys(inp.seed, inp.start + 1), num_steps=k, backend=backend, unroll=unroll)
+                                draft_keys(inp.seed, inp.start + 1), num_steps=k, backend=backend, unroll=unroll,
+                                grammar=draft_grammar(lstate, jnp.where(inp.live, inp.logit_slot, -1)))
 
     # 2. Verify the anchor and all k drafts of every request.
     verify_lens = jnp.where(inp.live, W, 0).astype(jnp.int32)

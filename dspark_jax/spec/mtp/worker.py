@@ -20,7 +20,7 @@ import numpy as np
 
 from dspark_jax.engine.model_runner import abstract
 from dspark_jax.engine.request import Request
-from dspark_jax.engine.worker import prefill_batch, prefill_sampling_struct, prefill_shapes
+from dspark_jax.engine.worker import prefill_batch, prefill_level, prefill_sampling_struct, prefill_shapes
 from dspark_jax.forward_batch import shape_struct
 from dspark_jax.logprobs import top_width
 from dspark_jax.parallel.host import to_host
@@ -36,7 +36,7 @@ class _Round:
     reqs: list[Request]
     results: jax.Array
     rows: int
-    processed: bool = False  # ran the processed executable (its results carry logprobs)
+    processed: int | bool = False  # ran the processed executable (its results carry logprobs)
 
 
 class MTPWorker(DraftWorker):
@@ -96,21 +96,22 @@ class MTPWorker(DraftWorker):
     def _caches(self):
         return self.engine.runner.cache, self.dcache, self.pending
 
-    def _prefill_executable(self, T: int, S: int):
+    def _prefill_executable(self, T: int, S: int, level: int | bool = True):
         e = self.engine
         lower = lambda: self._prefill_jit.lower(
             abstract(e.runner.state), abstract(self.drafter_state), *abstract(self._caches()),
-            abstract(self.lstate(True)), shape_struct(T, S, e.pages_per_seq, S), prefill_sampling_struct(e, S),
+            abstract(self.lstate(level)), shape_struct(T, S, e.pages_per_seq, S), prefill_sampling_struct(e, S),
             jax.ShapeDtypeStruct((T,), np.int32),
             jax.ShapeDtypeStruct((S,), np.int32))
-        return self.executable(("prefill", T, S), lower)
+        return self.executable(("prefill", T, S, level), lower)
 
-    def _results_pack(self, S: int, processed: bool = False):
+    def _results_pack(self, S: int, processed: int | bool = False):
         top = top_width(self.engine.config.vocab_size) if processed else 0
-        return self.pack(("results", S, processed), MTPOutputs.result_shapes(S, self.num_steps, top))
+        return self.pack(("results", S, bool(processed)), MTPOutputs.result_shapes(S, self.num_steps, top))
 
-    def _round_executable(self, T: int, S: int, P: int, processed: bool = False):
-        """processed: the variant with logit processors and logprobs (dspark_jax/logit_processors.py)."""
+    def _round_executable(self, T: int, S: int, P: int, processed: int | bool = False):
+        """processed: the variant with logit processors and logprobs (dspark_jax/logit_processors.py);
+        CONSTRAINED: with grammar masks too."""
         e = self.engine
         pack = self.pack(("inputs", S, P), MTPInputs.shapes(S, P))
         lower = lambda: self._round_jit.lower(
@@ -133,8 +134,9 @@ class MTPWorker(DraftWorker):
                 final_slot[i] = r.slot
             t += n
         runner = self.engine.runner
-        tokens, lp, runner.cache, self.dcache, self.pending, lstate = self._prefill_executable(T, S)(
-            runner.state, self.drafter_state, *self._caches(), self.lstate(True), batch, samp, next_ids, final_slot)
+        level = prefill_level(chunks)
+        tokens, lp, runner.cache, self.dcache, self.pending, lstate = self._prefill_executable(T, S, level)(
+            runner.state, self.drafter_state, *self._caches(), self.lstate(level), batch, samp, next_ids, final_slot)
         self.keep_lstate(lstate)
         return tokens, lp
 
