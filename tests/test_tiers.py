@@ -100,5 +100,8 @@ def test_rows_per_tier_hold_every_batch_with_the_fewest_rows():
         if k >= bs * 7:  # a verify-all batch runs on its own bucket's rows
             assert rows == LADDER[next(i for i, b in enumerate(LADDER) if b >= bs)]
     assert sorted(set(tiers.shapes())) == sorted(tiers.shapes())
+    for bs in range(1, 65):  # a verify-all round finds its rows among the untrimmed shapes
+        t = tiers.round_up(bs * 8)
+        assert (t, tiers.rows_for(t, bs)) in tiers.shapes(trimmed=False)
     with pytest.raises(ValueError, match="exceed"):
         tiers.rows_for(8, 9)

@@ -38,7 +38,8 @@ Padding rows are not free: the drafter drafts a block for every row, and the att
 backend without a kernel (the CPU's plain jnp) computes them in full (a batch of one on tier 8
 would draft eight blocks to use one).  So a tier also gets the rows of the batch that fills
 it verifying everything, the ladder bucket of ``ceil(T / (gamma + 1))``, and a step takes the
-fewest rows that hold its batch (``rows_for``): at most two executables per tier.
+fewest rows that hold its batch (``rows_for``): at most two executables per tier.  A round that
+verifies every block (static) always lands on its own batch's tier, so it needs only the fewer.
 """
 
 from __future__ import annotations
@@ -127,9 +128,10 @@ class TokenTiers:
                 return rows
         raise ValueError(f"{batch_size} requests exceed tier {tier}'s {self.slots(tier)} slots")
 
-    def shapes(self) -> list[tuple[int, int]]:
-        """(tokens, rows) of every executable the tiers need, for ahead-of-time compilation."""
-        return [(t, rows) for t in self.tiers for rows in self.row_options(t)]
+    def shapes(self, trimmed: bool = True) -> list[tuple[int, int]]:
+        """(tokens, rows) of every executable the tiers need, for ahead-of-time compilation;
+        trimmed=False: rounds that verify every block (the fewer rows of each tier)."""
+        return [(t, rows) for t in self.tiers for rows in self.row_options(t)[:None if trimmed else 1]]
 
     def __repr__(self) -> str:
         return f"TokenTiers(window={self.window}, tiers={list(self.tiers)})"

@@ -168,7 +168,7 @@ class DSparkWorker(DraftWorker):
         e = self.engine
         out = [(f"dspark prefill tokens={T} seqs={S}", functools.partial(self._prefill_executable, T, S))
                for T, S in prefill_shapes(e)]
-        shapes = [(self.mode, T, S) for T, S in self.tiers.shapes()]
+        shapes = [(self.mode, T, S) for T, S in self.tiers.shapes(trimmed=self.mode != "static")]
         if self._derive or (self._schedules and self.scheduler.can_decode):
             shapes += [("decode", T, T) for T in e.decode_buckets]
         for mode, T, S in shapes:
