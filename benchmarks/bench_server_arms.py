@@ -15,39 +15,19 @@ import argparse
 import asyncio
 import os
 import shlex
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 from tqdm.auto import tqdm
 
-from benchmarks import load_generator
-from benchmarks.common import environment, write_results
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import load_generator  # noqa: E402
+from benchmarks.common import environment, write_results  # noqa: E402
+from benchmarks.server_process import launch, stop, wait_healthy  # noqa: E402
 
 DEFAULT_ARMS = ("none=--speculative-algorithm NONE", "default=")
-
-
-def start(flags: str, port: int, log_dir: Path) -> subprocess.Popen:
-    log = open(log_dir / f"server_{port}.log", "w")
-    cmd = [sys.executable, "-m", "serving.launch", "--port", str(port), *shlex.split(flags)]
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent)
-
-
-def wait_healthy(proc: subprocess.Popen, port: int, timeout: float) -> None:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server on port {port} exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"server on port {port} not healthy after {timeout} s")
 
 
 def main(argv=None) -> int:
@@ -72,16 +52,16 @@ def main(argv=None) -> int:
     procs = {}
     try:
         for i, (name, flags) in enumerate(arms):  # one at a time: start-up compiles on every core
-            procs[name] = (start(flags, args.base_port + i, log_dir), args.base_port + i)
-            wait_healthy(*procs[name], args.startup_timeout)
+            log = log_dir / f"server_{name}.log"
+            procs[name] = launch(shlex.split(flags), log, port=args.base_port + i)
+            wait_healthy(*procs[name], args.startup_timeout, log)
         runs = {name: {c: [] for c in levels} for name, _ in arms}
         bar = tqdm(total=len(levels) * args.repeats * len(arms), desc="load", unit="run")
         for c in levels:
             for r in range(args.repeats):
                 for name, _ in arms:
-                    port = procs[name][1]
                     ns = argparse.Namespace(
-                        base_url=f"http://127.0.0.1:{port}", model=None, num_requests=100000, concurrency=c,
+                        base_url=procs[name][1], model=None, num_requests=100000, concurrency=c,
                         max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True,
                         prompt="The quick brown fox jumps over the lazy dog while the cat watches from the warm window",
                         shuffle_prompts=True, duration=args.duration, grace=30.0, seed=r)
@@ -93,9 +73,7 @@ def main(argv=None) -> int:
         bar.close()
     finally:
         for proc, _ in procs.values():
-            proc.terminate()
-        for proc, _ in procs.values():
-            proc.wait(timeout=60)
+            stop(proc)
 
     ref = arms[0][0]
     table = {name: {c: float(np.median([x["output_throughput_tok_s"] or 0 for x in runs[name][c]])) for c in levels}

@@ -12,72 +12,33 @@ server's own log (what it compiled, how long each took) is kept beside the resul
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import environment, write_results  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str, body: dict | None = None, timeout: float = 5.0) -> tuple[int, bytes]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-    except OSError:
-        return 0, b""
+from benchmarks.server_process import http, launch, stop, wait_healthy  # noqa: E402
 
 
 def start_once(server_args: list[str], cache_dir: Path, log_path: Path, timeout: float) -> dict:
     """Seconds from process start to a healthy /health, then one completion's latency."""
-    port = _free_port()
-    env = dict(os.environ, DSPARK_JAX_CACHE=str(cache_dir), PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "serving.launch", "--port", str(port), *server_args],
-                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        base = f"http://127.0.0.1:{port}"
+    proc, base = launch(server_args, log_path, env={"DSPARK_JAX_CACHE": str(cache_dir), "PYTHONUNBUFFERED": "1"})
+    try:
         try:
-            healthy = None
-            while time.perf_counter() - t0 < timeout:
-                if proc.poll() is not None:
-                    return {"error": f"server exited with status {proc.returncode}"}
-                if _get(base + "/health")[0] == 200:
-                    healthy = time.perf_counter() - t0
-                    break
-                time.sleep(0.5)
-            if healthy is None:
-                return {"error": f"not healthy within {timeout:.0f} s"}
-            t1 = time.perf_counter()
-            status, _ = _get(base + "/v1/completions", {"prompt": "def add(a, b):", "max_tokens": 16,
-                                                        "temperature": 0}, timeout=120)
-            return {"healthy_s": healthy, "first_request_s": time.perf_counter() - t1, "first_request_status": status}
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            wait_healthy(proc, base, timeout - (time.perf_counter() - t0))
+        except (RuntimeError, TimeoutError) as e:
+            return {"error": str(e).splitlines()[0]}
+        healthy = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        status, _ = http(base + "/v1/completions", {"prompt": "def add(a, b):", "max_tokens": 16, "temperature": 0},
+                         timeout=120)
+        return {"healthy_s": healthy, "first_request_s": time.perf_counter() - t1, "first_request_status": status}
+    finally:
+        stop(proc)
 
 
 def main(argv=None) -> int:
