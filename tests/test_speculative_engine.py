@@ -21,6 +21,9 @@ from tests.stats import assert_counts_fit
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 EC = dict(max_running_requests=4, max_prefill_tokens=64, max_model_len=256, page_size=8)
+# Engines compile each executable on first use unless a test checks what start-up compiles (those
+# pass EngineConfig(**EC)): the executables are the same either way, only fewer of them get built.
+LAZY = dict(EC, precompile=False)
 
 
 def repeat_biased_drafter(target, gamma=4, strength=6.0, seed=0):
@@ -52,13 +55,13 @@ def pair(model_dir):
 
 @pytest.fixture(scope="module")
 def plain(model_dir):
-    return Engine.from_pretrained(model_dir, EngineConfig(**EC))
+    return Engine.from_pretrained(model_dir, EngineConfig(**LAZY))
 
 
 def dspark(pair, config=None, **spec):
     """A DSpark engine over the test pair."""
     target, tok, drafter = pair
-    return Engine(target, tok, config or EngineConfig(**EC), drafter=drafter, spec=SpeculativeConfig(**spec))
+    return Engine(target, tok, config or EngineConfig(**LAZY), drafter=drafter, spec=SpeculativeConfig(**spec))
 
 
 def _prompts(vocab, n, seed):
@@ -190,7 +193,7 @@ def test_admissions_while_rounds_overlap(pair, plain, mode):
     got = eng.generate(prompts, sampled)
     assert [len(g.token_ids) for g in got] == lens
     if mode == "static":
-        serial = dspark(pair, EngineConfig(**EC, overlap=False), **spec)
+        serial = dspark(pair, EngineConfig(**LAZY, overlap=False), **spec)
         assert [g.token_ids for g in got] == [g.token_ids for g in serial.generate(prompts, sampled)]
     assert sorted(eng.scheduler._free_slots) == list(range(EC["max_running_requests"])) and eng._inflight is None
     eng.pool.check_invariants()
@@ -259,7 +262,7 @@ def test_engines_that_cannot_trim_run_static_rounds(pair, plain, mode, table, ro
     A table that prices K keeps the engine's own mode."""
     target, _, drafter = pair
     G = drafter.config.block_size
-    eng = dspark(pair, mode=mode, cost_table=table, rounds_per_call=rounds)
+    eng = dspark(pair, EngineConfig(**EC), mode=mode, cost_table=table, rounds_per_call=rounds)  # what start-up compiles
     prompts = _prompts(target.config.vocab_size, 5, seed=12)
     got = eng.generate(prompts, GREEDY)
     assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(prompts, GREEDY)]
@@ -308,7 +311,8 @@ def test_sampled_speculation_follows_target_distribution(mode, rounds):
     p = np.asarray(jax.nn.softmax(target.logits(h), -1), np.float64)  # [V*V, 5, V]
     joint = np.einsum("a,ab,abc->abc", p[0, 2], p[::V, 3].reshape(V, V), p[:, 4].reshape(V, V, V))
     eng = dspark((target, None, drafter), EngineConfig(max_running_requests=64, max_prefill_tokens=256,
-                                                       max_prefill_seqs=64, max_model_len=64, page_size=4),
+                                                       max_prefill_seqs=64, max_model_len=64, page_size=4,
+                                                       precompile=False),
                  mode=mode, cost_table=TABLE if mode == "compact" else None, rounds_per_call=rounds)
     n = 6000
     res = eng.generate([prompt] * n, [SamplingParams(max_new_tokens=3, temperature=1.0, seed=i, ignore_eos=True)
@@ -327,7 +331,7 @@ def test_no_compilation_after_startup(pair, caplog, rounds):
     import jax
 
     target = pair[0]
-    eng = dspark(pair, mode="compact", cost_table=TABLE, rounds_per_call=rounds)
+    eng = dspark(pair, EngineConfig(**EC), mode="compact", cost_table=TABLE, rounds_per_call=rounds)
     prompts = _prompts(target.config.vocab_size, 6, seed=8)
     eng.generate(prompts[:2], GREEDY)
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):
@@ -405,7 +409,7 @@ def test_rounds_become_plain_decode_steps_where_speculation_is_priced_to_lose(pa
     prompts = _prompts(target.config.vocab_size, 6, seed=17)
     sampled = [SamplingParams(max_new_tokens=20, temperature=0.9, top_k=40, seed=50 + i, ignore_eos=True)
                for i in range(6)]
-    cheap = dspark(pair, mode="compact", cost_table=TABLE.with_decode([1, 4], [1e-5, 2e-5]))
+    cheap = dspark(pair, EngineConfig(**EC), mode="compact", cost_table=TABLE.with_decode([1, 4], [1e-5, 2e-5]))
     assert {k[1] for k in cheap.worker._compiled if k[0] == "round"} >= {"decode"}
     for params in (GREEDY, sampled):
         assert [r.token_ids for r in cheap.generate(prompts, params)] == \
@@ -426,7 +430,7 @@ def test_a_derived_cost_table_is_profiled_once_and_read_back(pair, plain, tmp_pa
 
     monkeypatch.setattr(profile, "derive_cost_table",
                         lambda worker, cache_dir=None, real=profile.derive_cost_table: real(worker, tmp_path))
-    eng = dspark(pair, mode="compact", cost_table="derive")
+    eng = dspark(pair, EngineConfig(**EC), mode="compact", cost_table="derive")
     table = eng.worker.scheduler.cost_table
     assert table is not None and table.prices_decode
     assert table.decode_bs_probes.tolist() == eng.decode_buckets and list(tmp_path.glob("*.json"))
@@ -434,5 +438,5 @@ def test_a_derived_cost_table_is_profiled_once_and_read_back(pair, plain, tmp_pa
     assert [r.token_ids for r in eng.generate(prompts, GREEDY)] == [r.token_ids for r in plain.generate(prompts, GREEDY)]
     timed = []
     monkeypatch.setattr(type(eng.worker), "time_round", lambda *a, **k: timed.append(a) or (1, 1.0))
-    again = dspark(pair, mode="compact", cost_table="derive")
+    again = dspark(pair, EngineConfig(**EC), mode="compact", cost_table="derive")
     assert not timed and again.worker.scheduler.cost_table.to_dict() == table.to_dict()
