@@ -17,6 +17,20 @@ jax.config.update("jax_default_matmul_precision", "highest")
 TOKENIZER_TEXTS = None
 
 
+def pytest_configure(config):
+    """Under xdist's default distribution (-n without --dist), a worker that runs out of tests
+    takes queued ones from the other, so one worker's long tests do not leave the other idle."""
+    args = config.invocation_params.args
+    if getattr(config.option, "dist", "no") == "load" and not any(str(a).startswith(("--dist", "-d")) for a in args):
+        config.option.dist = "worksteal"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked slow first (stable otherwise): started early, they overlap the rest of a
+    parallel run instead of extending its end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def _tokenizer_texts():
     global TOKENIZER_TEXTS
     if TOKENIZER_TEXTS is None:

@@ -37,15 +37,41 @@ GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 SEEDED = [SamplingParams(max_new_tokens=8, temperature=0.9, seed=21 + i, ignore_eos=True) for i in range(2)]
 
 
+# The module's device tests in groups of about equal cost, each run by its own subprocess, so
+# that a parallel test run spreads them over its workers instead of running them in one process.
+GROUPS = {
+    "engines": ["test_plain_greedy_and_shardings", "test_untied_head_and_split_kv_heads",
+                "test_seeded_sampling_matches_single_device", "test_bad_parallel_configs_fail_at_construction",
+                "test_checkpoint_loads_straight_into_shards", "test_server_tp2_dp2_answers_like_the_single_device_server"],
+    "dspark": ["test_dspark_commits_single_device_tokens", "test_dspark_seeded_sampling_matches_single_device",
+               "test_nothing_compiles_after_start_up", "test_cost_table_key_names_the_parallel_configuration"],
+    "processors-mtp": ["test_logit_processors_and_logprobs_match_single_device", "test_mtp_commits_single_device_tokens"],
+    "processes": ["test_tp2_engine_across_two_processes_commits_the_single_process_tokens"],
+}
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(ENOUGH, reason="this process has the devices: the tests run here")
-def test_parallel_module_in_subprocess():
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_parallel_module_in_subprocess(group):
     env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FLAG}".strip(), "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], cwd=ROOT, env=env,
+    tests = [f"{__file__}::{name}" for name in GROUPS[group]]
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=1500)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     summary = out.stdout.strip().splitlines()[-1]
     assert "passed" in summary and "failed" not in summary and "error" not in summary, summary
+    assert "skipped" not in summary, summary  # every test of the group ran
+
+
+def test_groups_hold_every_device_test_once():
+    """Each test that needs the devices is in exactly one subprocess group (a new one must be added)."""
+    grouped = [name for names in GROUPS.values() for name in names]
+    device_tests = [name for name, fn in globals().items() if name.startswith("test_") and any(
+        m.name == "skipif" and "test_parallel_module_in_subprocess" in m.kwargs.get("reason", "")
+        for m in getattr(fn, "pytestmark", []))]
+    assert sorted(grouped) == sorted(device_tests) and len(set(grouped)) == len(grouped)
 
 
 # -- fixtures ------------------------------------------------------------------------------------
@@ -250,7 +276,10 @@ def test_logit_processors_and_logprobs_match_single_device(target, dspark_drafte
                              presence_penalty=0.3, logit_bias={5: 4.0, 11: -100.0}, min_tokens=3, logprobs=2,
                              stop_token_ids=(17,), temperature=0.8 * (i % 2), seed=40 + i) for i in range(4)]
     for spec in ({}, dict(drafter=dspark_drafter, spec=SpeculativeConfig(mode="static"))):
-        want = Engine(target, None, EngineConfig(**EC), **spec).generate(prompts, params)
+        key = (id(target), "processors", bool(spec))  # the single-device results, shared by both tp
+        if key not in _REF:
+            _REF[key] = Engine(target, None, EngineConfig(**EC), **spec).generate(prompts, params)
+        want = _REF[key]
         eng = Engine(target, None, EngineConfig(**EC, tp_size=tp), **spec)
         got = eng.generate(prompts, params)
         assert spec_of(eng.processors.state.counts) == P() and eng.processors.state.counts.shape[1] % tp == 0
