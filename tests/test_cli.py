@@ -15,15 +15,21 @@ from dspark_jax.sampling import SamplingParams
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# The engine sizes of the session's tiny_engine (tests/conftest.py), and the tests' matmul
+# precision: the subprocess compiles what tiny_engine compiled, so it finds those executables in
+# the persistent compilation cache instead of compiling the CLI's default batch sizes.
+SIZES = ["--max-running-requests", "4", "--max-prefill-tokens", "64", "--max-model-len", "256"]
+
+
 def _run(*args):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_DEFAULT_MATMUL_PRECISION="highest")
     return subprocess.run([sys.executable, "-m", "dspark_jax.generate", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
 def test_json_lines_in_prompt_order(hf_model_dir, tiny_engine):
     p = _run("--model-path", str(hf_model_dir), "--prompt", "def f(x):", "--prompt-ids", "5,6,7",
-             "--max-new-tokens", "6", "--ignore-eos", "--max-model-len", "256", "--json")
+             "--max-new-tokens", "6", "--ignore-eos", *SIZES, "--json")
     assert p.returncode == 0, p.stderr
     lines = [json.loads(l) for l in p.stdout.strip().splitlines()]
     assert len(lines) == 2
@@ -53,7 +59,7 @@ def test_speculative_flags_give_plain_greedy_tokens_and_spec_stats(hf_model_dir,
     dcfg = DSparkConfig.from_target(cfg, num_layers=1, block_size=3, mask_token_id=3, markov_rank=8, target_layer_ids=(0,))
     save_drafter(tmp_path / "d", dcfg, DSparkDrafter(dcfg, rngs=nnx.Rngs(0)), dtype="float32")
     common = ["--model-path", str(hf_model_dir), "--prompt-ids", "5,6,7", "--prompt", "def f(x):", "--max-new-tokens", "8",
-              "--ignore-eos", "--max-model-len", "256", "--json", "--speculative-algorithm", "DSPARK",
+              "--ignore-eos", *SIZES, "--json", "--speculative-algorithm", "DSPARK",
               "--draft-model-path", str(tmp_path / "d")]
     p = _run(*common)  # the default: compact, with a cost table profiled on this machine at start-up
     assert p.returncode == 0, p.stderr
@@ -67,8 +73,10 @@ def test_speculative_flags_give_plain_greedy_tokens_and_spec_stats(hf_model_dir,
                                  "m_probes": [1, 8, 16], "theta_seconds": [0.0, 1e-3, 4e-3]}))
     p = _run(*common, "--sps-min-gain", "-1")
     assert p.returncode == 1 and "--sps-min-gain must be >= 0" in p.stderr
-    # Two rounds per dispatch: still the plain engine's greedy tokens; 0 is refused.
-    p = _run(*common, "--verify-mode", "compact", "--sps-table-path", str(table), "--rounds-per-call", "2")
+    # Two rounds per dispatch: still the plain engine's greedy tokens (compiled on first use: only
+    # the shapes these prompts run); 0 is refused.
+    p = _run(*common, "--verify-mode", "compact", "--sps-table-path", str(table), "--rounds-per-call", "2",
+             "--no-precompile")
     assert p.returncode == 0, p.stderr
     assert [json.loads(l)["token_ids"] for l in p.stdout.strip().splitlines()] == [w.token_ids for w in want]
     p = _run(*common, "--rounds-per-call", "0")
