@@ -47,6 +47,7 @@ def test_bad_arguments_exit_nonzero_with_message(hf_model_dir, tmp_path):
     assert p.returncode == 2 and "comma-separated" in p.stderr
 
 
+@pytest.mark.slow
 def test_speculative_flags_give_plain_greedy_tokens_and_spec_stats(hf_model_dir, tmp_path, tiny_engine):
     from flax import nnx
 

@@ -793,6 +793,7 @@ def test_load_generator_smoke(server, tmp_path, capsys):
         check_loopback("http://example.com:30000")
 
 
+@pytest.mark.slow
 def test_soak_smoke_against_the_embedded_model(tmp_path):
     """benchmarks/soak.py for a few seconds: the embedded pair in its own server process (compiled
     lazily, small shapes), a handful of clients of every kind, bad requests and disconnects among
