@@ -23,6 +23,36 @@ import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+
+def _evict_without_rescanning() -> None:
+    """The engines bound the persistent compilation cache (32 GiB), which makes JAX scan the whole
+    cache folder (a stat and a read of every entry) under its file lock before each write: the
+    suite writes thousands of entries, so the scans grew quadratically and serialized both
+    workers.  Here a process scans a folder once, then again only after writing a quarter of the
+    bound itself; a test run writes a few hundred MB, far below it.  The lock, and with it safe
+    sharing between processes, stays as it is."""
+    try:
+        from jax._src.lru_cache import LRUCache
+    except ImportError:
+        return
+    real = getattr(LRUCache, "_evict_if_needed", None)
+    if real is None:
+        return
+    written: dict[str, int] = {}
+
+    def evict_if_needed(self, *, additional_size: int = 0) -> None:
+        folder = str(self.path)
+        since = written.get(folder)
+        if since is None or since + additional_size > self.max_size // 4:
+            real(self, additional_size=additional_size)
+            since = 0
+        written[folder] = since + additional_size
+
+    LRUCache._evict_if_needed = evict_if_needed
+
+
+_evict_without_rescanning()
+
 TOKENIZER_TEXTS = None
 
 
