@@ -6,15 +6,6 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# The suite compiles thousands of small CPU executables and runs most of them a few times, so
-# compiling dominates its time: the CPU backend skips LLVM's costly optimisation passes (what the
-# executables compute is unchanged).  Subprocesses the tests start inherit the flags, so they
-# find the tests' executables in the persistent compilation cache.  An XLA_FLAGS that already
-# sets an optimisation level is left as it is.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""),
-                                                     "--xla_backend_optimization_level=0",
-                                                     "--xla_llvm_disable_expensive_passes=true"]))
 
 from pathlib import Path
 
