@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -18,19 +17,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def one_device_flags(flags: str) -> str:
-    """XLA_FLAGS without a forced host device count: one CPU device per process, the other
-    flags (the tests' compile options) kept."""
-    return re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags).strip()
-
-
 def run_two_ranks(out: Path, *extra: str, timeout: float = 900) -> None:
     """Run this script as ranks 0 and 1 on a free localhost port, one CPU device each; fails the
     calling test with both logs unless both exit 0."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, XLA_FLAGS=one_device_flags(os.environ.get("XLA_FLAGS", "")))  # one CPU device per process
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(out), *extra], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
@@ -97,5 +90,5 @@ def check_args(rank: int, port: int, out: str) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = one_device_flags(os.environ.get("XLA_FLAGS", ""))  # one CPU device per process
+    os.environ.pop("XLA_FLAGS", None)  # one CPU device per process
     (check_args if sys.argv[4:] == ["check-args"] else main)(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

@@ -16,8 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_bench_parallel_smoke(tmp_path):
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "benchmarks/bench_parallel.py", "--pair", "tiny", "--tp", "1", "2", "--dp", "1", "2",
            "--batch-sizes", "2", "--max-new-tokens", "4", "--prompt-len", "6", "--repeats", "1",
