@@ -75,6 +75,32 @@ def summarize(events, steps: int, top: int, sequence: int = 0) -> dict:
     }
 
 
+def plain_decode_call(engine: Engine, bs: int, ctx: int):
+    """A callable dispatching the plain engine's greedy decode step for bs requests at context ctx
+    (synthetic pages, nothing committed: every call writes the same positions)."""
+    ps = engine.pool.page_size
+    B = round_up(bs, engine.decode_buckets)
+    pages = [list(range(1 + i * engine.pages_per_seq, 1 + i * engine.pages_per_seq + -(-(ctx + 1) // ps)))
+             for i in range(bs)]
+    batch = jax.device_put(build_forward_batch([(np.array([5]), ctx, p) for p in pages], page_size=ps,
+                                               num_tokens=B, num_seqs=B, pages_per_seq=engine.pages_per_seq))
+    samp = jax.device_put(sampling_arrays([SamplingParams(max_new_tokens=1)] * bs, [0] * bs, [ctx] * bs, B))
+    return lambda: engine.worker.run(batch, samp, "greedy")
+
+
+def profile_calls(call, steps: int, top: int, sequence: int = 0, warmup: int = 3) -> dict:
+    """summarize() of ``steps`` calls dispatched back to back under the profiler, after warmup."""
+    for _ in range(warmup):
+        jax.block_until_ready(call())
+    trace_dir = tempfile.mkdtemp(prefix="step-trace-")
+    with jax.profiler.trace(trace_dir):
+        out = None
+        for _ in range(steps):
+            out = call()
+        jax.block_until_ready(out)
+    return summarize(device_kernel_events(trace_dir), steps, top, sequence)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
@@ -95,22 +121,7 @@ def main(argv=None):
     bs, ctx = args.batch_size, args.context
     engine = Engine(model, None, EngineConfig(max_running_requests=bs, max_model_len=ctx + 32, page_size=16,
                                               **backend_kwargs(args), precompile=False))
-    B = round_up(bs, engine.decode_buckets)
-    pages = [list(range(1 + i * engine.pages_per_seq, 1 + i * engine.pages_per_seq + -(-(ctx + 1) // 16)))
-             for i in range(bs)]
-    batch = jax.device_put(build_forward_batch([(np.array([5]), ctx, p) for p in pages], page_size=16,
-                                               num_tokens=B, num_seqs=B, pages_per_seq=engine.pages_per_seq))
-    params = SamplingParams(max_new_tokens=1)
-    samp = jax.device_put(sampling_arrays([params] * bs, [0] * bs, [ctx] * bs, B))
-    for _ in range(3):
-        engine.worker.run(batch, samp, "greedy").block_until_ready()
-    trace_dir = tempfile.mkdtemp(prefix="decode-trace-")
-    with jax.profiler.trace(trace_dir):
-        out = None
-        for _ in range(args.steps):
-            out = engine.worker.run(batch, samp, "greedy")
-        out.block_until_ready()
-    summary = summarize(device_kernel_events(trace_dir), args.steps, args.top, args.sequence)
+    summary = profile_calls(plain_decode_call(engine, bs, ctx), args.steps, args.top, args.sequence)
     floor_us = weight_bytes_read(cfg) / bw * 1e6
     payload = {"env": env, "shape": args.shape, "batch": bs, "context": ctx, "backend": engine.runner.backend,
                "norm_backend": engine.runner.norm_backend, "kv_write_backend": engine.runner.kv_write_backend,

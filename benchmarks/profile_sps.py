@@ -7,16 +7,18 @@ reads (--sps-table-path), with a predicted-vs-measured plot.
 
 Two ways to measure a cell (--method):
 
-* ``engine`` (default): bs requests (random prompts of --context tokens, EOS ignored) run through
-  the engine's own loop -- overlapped rounds, host scheduling and commits included -- with
-  SpeculativeConfig.forced_budget = K, and the median of the engine's round periods
-  (``stats["round_log"]``) after --warmup rounds is recorded.  That is exactly the quantity the
-  engine later compares its predictions with, so the table prices what a round really costs the
-  serving loop, host work included.  (SGLang profiles the same way, through its real runtime;
-  it also forces one committed token per step, which we do not need: the context grows by at
-  most (gamma + 1) * rounds tokens, which the cost hardly sees at --context 256.)
+* ``engine`` (default): what a server derives at start-up (dspark_jax/spec/dspark/profile.py):
+  bs requests (random prompts of --context tokens, EOS ignored) run through the engine's own
+  loop -- overlapped rounds, host scheduling and commits included -- with every round forced to
+  budget K (or to a plain decode step), and the median of the loop's round periods after
+  --warmup rounds is recorded.  That is exactly the quantity the engine later compares its
+  predictions with, so the table prices what a round really costs the serving loop.  (SGLang
+  profiles the same way, through its real runtime; it also forces one committed token per step,
+  which we do not need: the context grows by at most (gamma + 1) * rounds tokens a cell.)
 * ``device``: the compiled round executable alone on a steady batch (every request at --context,
   nothing committed between repeats): device time plus dispatch, without the engine's host work.
+
+Both also time a plain decode round per batch size, the table's decode curve.
 
     python benchmarks/profile_sps.py --model-path TARGET --draft-model-path DRAFTER \\
         --batch-sizes 1 2 4 8 16 32 64 --fractions 0 0.25 0.5 0.75 1 --out-dir benchmarks/results
@@ -37,37 +39,9 @@ from tqdm import tqdm
 from benchmarks.common import environment, result_dirs, write_results
 from dspark_jax.default_model import default_drafter_path, default_model_path
 from dspark_jax.engine import Engine, EngineConfig
-from dspark_jax.engine.request import Status
 from dspark_jax.sampling import SamplingParams
 from dspark_jax.spec.config import SpeculativeConfig
-from dspark_jax.spec.dspark.cost_model import fit_additive_cost
-
-
-def engine_round_seconds(eng: Engine, bs: int, K: int, args, rng) -> tuple[int, float]:
-    """(tier, median round period) of bs requests decoding through the engine with budget K."""
-    G = eng.worker.gamma
-    eng.worker.spec.forced_budget = K
-    rounds = args.warmup + args.iters
-    params = SamplingParams(max_new_tokens=(rounds + 4) * (G + 1), ignore_eos=True, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p)
-    vocab = eng.config.vocab_size
-    ids = [eng.add_request(rng.integers(10, vocab, size=args.context).tolist(), params) for _ in range(bs)]
-    reqs = [eng.get_request(i) for i in ids]
-    log = eng.stats["round_log"]
-    log.clear()
-    try:
-        while sum(1 for b, k, *_ in log if b == bs and k == K) < rounds:
-            if any(r.status is Status.FINISHED for r in reqs):
-                raise RuntimeError(f"a profiling request finished early at bs {bs}, K {K}: raise max_model_len")
-            eng.step()
-    finally:
-        for i in ids:
-            eng.abort(i)
-        while eng.has_unfinished():
-            eng.step()
-        eng.worker.spec.forced_budget = None
-    cell = [(t, s) for b, k, t, _, s, _ in log if b == bs and k == K][args.warmup:]
-    return cell[0][0], float(np.median([s for _, s in cell]))
+from dspark_jax.spec.dspark.profile import fit_cells, profile_cells
 
 
 def main(argv=None):
@@ -113,22 +87,29 @@ def main(argv=None):
     if need > eng.max_model_len:
         ap.error(f"a cell needs {need} positions (context + rounds x window + lookahead) > max model len "
                  f"{eng.max_model_len}: lower --context / --iters or raise --max-model-len")
-    rng = np.random.default_rng(0)
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     cells = []
-    grid = [(rep, bs, f) for rep in range(args.repeats) for bs in args.batch_sizes for f in args.fractions]
-    for rep, bs, f in tqdm(grid, desc="cells"):  # whole sweeps repeated: a drift hits every cell alike
-        K = int(round(f * bs * G))
-        if args.method == "engine":
-            T, t = engine_round_seconds(eng, bs, K, args, rng)
-        else:
-            T, t = eng.worker.time_round(bs, K, args.context, (args.temperature, args.top_k, args.top_p),
-                                         iters=args.iters)
-        cells.append({"repeat": rep, "bs": bs, "K": K, "M": bs + K, "tier": T, "seconds": t})
-    fit = fit_additive_cost([(c["bs"], c["M"], c["seconds"]) for c in cells], m_bin=args.m_bin,
-                            monotone=not args.unconstrained)
-    for c, p in zip(cells, fit.predicted_seconds):
-        c["predicted_seconds"] = float(p)
-    rel = np.abs(fit.residual_seconds) / np.array([c["seconds"] for c in cells])
+    grid = [(bs, int(round(f * bs * G))) for bs in args.batch_sizes for f in args.fractions]
+    grid += [(bs, None) for bs in args.batch_sizes]
+    with tqdm(total=args.repeats * len(grid), desc="cells") as bar:
+        for rep in range(args.repeats):  # whole sweeps repeated: a drift hits every cell alike
+            if args.method == "engine":
+                sweep = profile_cells(eng, args.batch_sizes, args.fractions, context=args.context, sampling=sampling,
+                                      warmup=args.warmup, iters=args.iters, progress=lambda *_: bar.update())
+            else:
+                sweep = []
+                for bs, K in grid:
+                    T, t = eng.worker.time_round(bs, K, args.context, (args.temperature, args.top_k, args.top_p),
+                                                 iters=args.iters)
+                    sweep.append({"bs": bs, "K": K, "M": bs + (K or 0), "tier": T, "seconds": t})
+                    bar.update()
+            cells += [{"repeat": rep, **c} for c in sweep]
+    fit = fit_cells(cells, m_bin=args.m_bin, monotone=not args.unconstrained)
+    spec = [c for c in cells if c["K"] is not None]
+    for c in cells:
+        c["predicted_seconds"] = (fit.table.predict(c["bs"], c["K"]) if c["K"] is not None
+                                  else fit.table.predict_decode(c["bs"]))
+    rel = np.abs(fit.residual_seconds) / np.array([c["seconds"] for c in spec])
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
                 "rounds_per_call": args.rounds_per_call}
     payload = {"env": env, "method": args.method, "gamma": G, "context": args.context, "repeats": args.repeats,
@@ -149,8 +130,8 @@ def main(argv=None):
           f"{'OLS' if args.unconstrained else 'alpha, theta non-decreasing'}; fit R^2 {fit.r_squared:.4f}, median |pred-meas|/meas "
           f"{np.median(rel):.1%}, max {rel.max():.1%}.\n",
           "| sweep | bs | K | M | tier | measured ms | predicted ms |", "|---:|---:|---:|---:|---:|---:|---:|"]
-    md += [f"| {c['repeat']} | {c['bs']} | {c['K']} | {c['M']} | {c['tier']} | {c['seconds'] * 1e3:.3f} | "
-           f"{c['predicted_seconds'] * 1e3:.3f} |" for c in cells]
+    md += [f"| {c['repeat']} | {c['bs']} | {'decode' if c['K'] is None else c['K']} | {c['M']} | {c['tier']} | "
+           f"{c['seconds'] * 1e3:.3f} | {c['predicted_seconds'] * 1e3:.3f} |" for c in cells]
     write_results(name, payload, "\n".join(md) + "\n", args.out_dir)
     try:
         import matplotlib

@@ -6,6 +6,8 @@
 #   startup  serving.launch --model-path expand:qwen3-8b, cold (empty cache) then warm (bench_startup.py)
 #   sweep    the tier sweep (bench_speculative.py --pair qwen3-8b) at SWEEP_BATCHES, arms SWEEP_ARMS,
 #            workloads SWEEP_WORKLOADS, temperature SWEEP_T (the compact arm's table derived on the device)
+#   rounds   DSpark decode and full rounds beside the plain decode step, per kernel, at ROUND_BATCHES
+#            (profile_round.py)
 #   decode   the decode step against its HBM floor at DECODE_BATCHES (bench_decode.py)
 #   hf       transformers' greedy generate on the same weights at batch 1 and 8 (bench_hf_peer.py)
 #
@@ -22,6 +24,7 @@ SWEEP_WORKLOADS=${SWEEP_WORKLOADS:-code,math,verse}
 SWEEP_T=${SWEEP_T:-0}
 SWEEP_ARGS=${SWEEP_ARGS:-}
 DECODE_BATCHES=${DECODE_BATCHES:-1 16 64}
+ROUND_BATCHES=${ROUND_BATCHES:-1 64 128}
 . benchmarks/suite_env.sh
 if [ -n "${WHEELS:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
@@ -45,6 +48,12 @@ for stage in $STAGES; do
           --repeats 2 --waves 2 --single-prompts 3 --max-prompt-tokens 256 --tag "_t${SWEEP_T}${SWEEP_TAG:-}" \
           $SWEEP_ARGS --out-dir "$OUT" > "$OUT/logs/sweep.log" 2>&1 || echo "sweep cut short or failed"
       grep -E "built in|ready in" "$OUT/logs/sweep.log"; tail -n 30 "$OUT/logs/sweep.log"
+      ;;
+    rounds)
+      # shellcheck disable=SC2086
+      timeout $(( $(left) - ${ROUNDS_RESERVE:-10} )) "$PYTHON" benchmarks/profile_round.py --pair qwen3-8b \
+          --batch-sizes $ROUND_BATCHES --out-dir "$OUT" > "$OUT/logs/rounds.log" 2>&1 || echo "round profile cut short or failed"
+      grep -E "^\| [0-9]+ \|" "$OUT/logs/rounds.log" | head -n 12
       ;;
     decode)
       # shellcheck disable=SC2086

@@ -257,7 +257,7 @@ class ServerArgs:
             seconds = compile_engines(engines)
             for e in engines:
                 e.compile_seconds = seconds
-                e.worker.calibrate()
+                e.calibrate(compile=True)
         return engines
 
     def _parts(self):

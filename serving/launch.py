@@ -109,7 +109,9 @@ def build_engine(args: ServerArgs):
         redirect = logging_redirect_tqdm()  # log lines above the bar, not through it
     with redirect:
         engine.compile_seconds = compile_engines([engine], progress)
-    engine.worker.calibrate()  # a compact DSpark engine: its cost table, profiled once per device, then cached
+    # A compact DSpark engine: its cost table, profiled once per device and cached; plain decode
+    # steps where that table says no speculative round pays.
+    engine.calibrate(compile=True)
     return engine
 
 
@@ -161,15 +163,18 @@ def main(argv=None) -> int:
         engines = [engine := LeaderEngine(engine)]
     log.info("%d engine replica(s) ready in %.1f s (compile %.1f s)", len(engines), time.perf_counter() - t0,
              engine.compile_seconds)
+    # what the engine runs: a DSpark engine whose measured table rules speculation out serves plain steps
+    algorithm = args.speculative_algorithm if engine.worker.name != "none" else "NONE"
     cfg = ServerConfig(
         model_name=args.served_model_name or Path(args.model_path).name, model_path=str(args.model_path),
-        draft_model_path=args.draft_model_path, speculative_algorithm=args.speculative_algorithm,
-        verify_mode=args.verify_mode if args.speculative_algorithm == "DSPARK" else None,
+        draft_model_path=args.draft_model_path if algorithm != "NONE" else None, speculative_algorithm=algorithm,
+        verify_mode=args.verify_mode if algorithm == "DSPARK" else None,
         block_size=getattr(engine.worker, "gamma", None), shutdown_timeout=args.shutdown_timeout,
         max_body_bytes=args.max_body_bytes, default_chat_max_tokens=args.default_chat_max_tokens,
         extra={"speculative_num_steps": engine.worker.num_steps,
                "speculative_num_draft_tokens": engine.worker.num_steps + 1}
-        if args.speculative_algorithm == "MTP" else {},
+        if algorithm == "MTP" else {"speculative_algorithm_requested": args.speculative_algorithm}
+        if algorithm != args.speculative_algorithm else {},
     )
     app = create_app(engines if len(engines) > 1 else engine, cfg)
     server = make_server(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -201,15 +203,16 @@ def test_admissions_while_rounds_overlap(pair, plain, mode):
 
 
 def test_forced_budget_verifies_exactly_that_many_drafts(pair, plain):
-    """The SPS profiler's knob: every round of a bs-request batch verifies bs + min(K, bs * gamma)
-    tokens, runs the tier of (bs, K), logs (bs, K, tier, seconds), and stays lossless."""
+    """The cost profiler's knob: every round of a bs-request batch verifies bs + min(K, bs * gamma)
+    tokens, runs the tier of (bs, K), logs (bs, K, tier, seconds), and stays lossless; forced
+    "decode", every round is a plain decode step (one token a request, the batch's bucket)."""
     target, _, drafter = pair
     G = drafter.config.block_size
     eng = dspark(pair, mode="compact")
     prompts = _prompts(target.config.vocab_size, 3, seed=8)
     rounds_before = 0
-    for K in (0, 5, 3 * G + 7):
-        eng.worker.spec.forced_budget = K
+    for K in (0, 5, 3 * G + 7, "decode"):
+        eng.worker.force(K)
         eng.stats["round_log"].clear()
         got = eng.generate(prompts, GREEDY)
         assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(prompts, GREEDY)]
@@ -217,8 +220,12 @@ def test_forced_budget_verifies_exactly_that_many_drafts(pair, plain):
         assert len(log) == eng.stats["rounds"] - rounds_before
         rounds_before = eng.stats["rounds"]
         for bs, k, tier, verified, seconds, _ in log:
-            assert k == min(K, bs * G) and verified == bs + k and seconds > 0
-            assert tier == eng.worker.tiers.tier_for(bs, k)
+            want = 0 if K == "decode" else min(K, bs * G)
+            assert k == want and verified == bs + k and seconds > 0
+            assert tier == (eng.decode_buckets[bisect.bisect_left(eng.decode_buckets, bs)] if K == "decode"
+                            else eng.worker.tiers.tier_for(bs, k))
+    with pytest.raises(ValueError, match="forced budget"):
+        eng.worker.force(-1)
 
 
 @pytest.mark.parametrize("rounds", [1, 2])
@@ -423,20 +430,91 @@ def test_rounds_become_plain_decode_steps_where_speculation_is_priced_to_lose(pa
 
 
 def test_a_derived_cost_table_is_profiled_once_and_read_back(pair, plain, tmp_path, monkeypatch):
-    """cost_table "derive": the engine times its compiled rounds (every batch bucket at three
-    budgets, and a decode step each), schedules with the fit, and caches it: a second engine
-    reads the same table without timing anything."""
+    """cost_table "derive": the engine times rounds in its own loop (every batch bucket at three
+    budgets, and a decode round each), schedules with the fit, and caches it: a second engine
+    reads the same table without timing anything.  The profile leaves no trace in the
+    statistics, and a lazily compiled engine profiles before its first request runs, that
+    request's output still plain greedy."""
     import dspark_jax.spec.dspark.profile as profile
 
     monkeypatch.setattr(profile, "derive_cost_table",
                         lambda worker, cache_dir=None, real=profile.derive_cost_table: real(worker, tmp_path))
+    cells = []
+    monkeypatch.setattr(profile, "profile_cells", lambda *a, real=profile.profile_cells, **k: cells.extend(real(*a, **k))
+                        or cells)
     eng = dspark(pair, EngineConfig(**EC), mode="compact", cost_table="derive")
     table = eng.worker.scheduler.cost_table
-    assert table is not None and table.prices_decode
-    assert table.decode_bs_probes.tolist() == eng.decode_buckets and list(tmp_path.glob("*.json"))
+    G, buckets = eng.worker.gamma, eng.decode_buckets
+    assert table is not None and table.prices_decode and table.decode_bs_probes.tolist() == buckets
+    key = lambda c: (c[0], -1 if c[1] is None else c[1])
+    assert sorted(((c["bs"], c["K"]) for c in cells), key=key) == sorted(
+        [(b, int(round(f * b * G))) for b in buckets for f in profile.DEFAULT_FRACTIONS] + [(b, None) for b in buckets],
+        key=key)
+    assert all(c["seconds"] > 0 for c in cells) and list(tmp_path.glob("*.json"))
+    assert eng.stats["rounds"] == 0 and not eng.stats["round_log"] and not eng.has_unfinished()
+    assert eng.pool.num_free_pages == eng.pool.num_usable_pages
     prompts = _prompts(pair[0].config.vocab_size, 4, seed=3)
     assert [r.token_ids for r in eng.generate(prompts, GREEDY)] == [r.token_ids for r in plain.generate(prompts, GREEDY)]
-    timed = []
-    monkeypatch.setattr(type(eng.worker), "time_round", lambda *a, **k: timed.append(a) or (1, 1.0))
+    cells.clear()
     again = dspark(pair, EngineConfig(**EC), mode="compact", cost_table="derive")
-    assert not timed and again.worker.scheduler.cost_table.to_dict() == table.to_dict()
+    assert not cells and again.worker.scheduler.cost_table.to_dict() == table.to_dict()
+    lazy = dspark(pair, mode="compact", cost_table="derive")  # reads the cached table on its first step
+    assert lazy.worker.needs_calibration
+    assert [r.token_ids for r in lazy.generate(prompts, GREEDY)] == [r.token_ids for r in plain.generate(prompts, GREEDY)]
+    assert not lazy.worker.needs_calibration and lazy.worker.scheduler.cost_table.to_dict() == table.to_dict()
+
+
+def test_speculation_pays_is_the_best_full_acceptance_round_against_a_decode_step(pair):
+    """On TABLE: a round of bs requests with every draft accepted commits bs + K tokens in
+    T(bs, K); speculation pays at bs when the best of those beats bs / T_decode(bs) by the min-gain
+    factor.  A 1 us decode step wins at every bucket, a 1 s one loses; with decode steps nearly
+    free from batch 2 up, batch 1 decides, on either side of its threshold.  Only a derived table
+    may rule speculation out."""
+    eng = dspark(pair, mode="compact", cost_table="derive")
+    worker = eng.worker
+    for decode, pays in ((1e-6, False), (1.0, True)):
+        worker.use_table(TABLE.with_decode([1, 4], [decode, decode]))
+        assert worker.speculation_pays() is pays
+    G = worker.gamma
+    best1 = max((1 + K) / TABLE.predict(1, K) for K in range(G + 1))
+    threshold = 1.04 / best1  # the batch-1 decode time at which a full-acceptance round just pays
+    for scale, pays in ((0.999, False), (1.001, True)):
+        worker.use_table(TABLE.with_decode([1, 4], [scale * threshold, 1e-9]))
+        assert worker.speculation_pays() is pays
+    given = dspark(pair, mode="compact", cost_table=TABLE.with_decode([1, 4], [1e-6, 1e-6]))
+    assert given.worker.speculation_pays()
+
+
+def test_an_engine_whose_measured_table_rules_speculation_out_runs_plain_steps(pair, plain, tmp_path, monkeypatch):
+    """A derived table in which no round beats a decode step at any batch size: the engine drops
+    the drafter (its cache and weights released) and runs plain decode steps, token for token the
+    plain engine's, greedy and seeded sampling alike.  A table in which speculation pays somewhere
+    keeps the DSpark worker."""
+    import dspark_jax.spec.dspark.profile as profile
+    from dspark_jax.engine.worker import PlainWorker
+
+    def fake_cells(decode_seconds):
+        def cells(engine, batch_sizes, fractions=profile.DEFAULT_FRACTIONS, **_):
+            G = engine.worker.gamma
+            return [{"bs": b, "K": int(round(f * b * G)), "M": b + int(round(f * b * G)), "tier": 0,
+                     "seconds": 1e-2 + 1e-4 * b * f} for b in batch_sizes for f in fractions] + \
+                [{"bs": b, "K": None, "M": b, "tier": b, "seconds": decode_seconds} for b in batch_sizes]
+        return cells
+
+    derive = profile.derive_cost_table
+    prompts = _prompts(pair[0].config.vocab_size, 4, seed=21)
+    sampled = [SamplingParams(max_new_tokens=12, temperature=0.8, seed=70 + i, ignore_eos=True) for i in range(4)]
+    for decode_seconds, speculates in ((1e-6, False), (1.0, True)):
+        monkeypatch.setattr(profile, "profile_cells", fake_cells(decode_seconds))
+        eng = Engine(*pair[:2], EngineConfig(**LAZY), drafter=pair[2],
+                     spec=SpeculativeConfig(mode="compact", cost_table="derive"))
+        monkeypatch.setattr(profile, "derive_cost_table",
+                            lambda worker, cache_dir=None, d=tmp_path / str(decode_seconds): derive(worker, d))
+        worker = eng.worker
+        got = [r.token_ids for r in eng.generate(prompts, GREEDY)]
+        assert got == [r.token_ids for r in plain.generate(prompts, GREEDY)]
+        assert isinstance(eng.worker, PlainWorker) is not speculates
+        if not speculates:
+            assert worker.dcache is None and worker.drafter_state is None
+            assert [r.token_ids for r in eng.generate(prompts, sampled)] == \
+                [r.token_ids for r in plain.generate(prompts, sampled)]

@@ -141,9 +141,9 @@ class Engine:
         self.worker.bind(self)
         self.overlap = ec.overlap and self.worker.overlaps
         self.compile_seconds = 0.0
-        if ec.precompile:  # (a lazily compiled worker calibrates on its first step)
+        if ec.precompile:  # (a lazily compiled engine calibrates on its first step)
             self.compile_seconds = self.compile_all()
-            self.worker.calibrate()
+            self.calibrate()
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None, spec=None, *,
@@ -169,6 +169,28 @@ class Engine:
         elif spec is not None:
             raise ValueError("a speculative config needs draft_path")
         return cls(model, Tokenizer.from_folder(path), ec, drafter=drafter, spec=spec, devices=devices)
+
+    def calibrate(self, compile: bool | None = None) -> None:
+        """Let the worker measure this device once its executables exist (a DSpark engine asked to
+        derive its cost table profiles its rounds in this loop).  When the measured table says no
+        speculative round can beat a plain decode step at any batch size, even with every draft
+        accepted, the engine drops the drafter and runs plain decode steps: the same tokens,
+        without paying for drafts that cannot pay for themselves.  compile: build the plain
+        steps then (default: as the engine's precompile says)."""
+        self.worker.calibrate()
+        pays = getattr(self.worker, "speculation_pays", None)
+        # (several hosts: each times its own table, and the hosts must run the same steps)
+        if pays is None or jax.process_count() > 1 or pays():
+            return
+        log.info("the measured cost table says no speculative round beats a plain decode step on this device: "
+                 "serving plain decode steps")
+        self.settle()
+        self.worker.release_device_memory()
+        self.worker = PlainWorker()
+        self.worker.bind(self)
+        self.overlap = self.ec.overlap and self.worker.overlaps
+        if self.ec.precompile if compile is None else compile:
+            self.compile_seconds += self.compile_all()
 
     # -- sizing and compilation --------------------------------------------------------------
     def _default_num_pages(self, model) -> int:
@@ -292,6 +314,8 @@ class Engine:
     def step(self) -> list[tuple[Request, list[int]]]:
         """Run one scheduling step; returns (request, newly committed ids) for requests that moved.
         Finished requests are released (slot and KV pages) before returning."""
+        if getattr(self.worker, "needs_calibration", False):  # lazily compiled: before the first request
+            self.calibrate()
         self.scheduler.admit()
         chunks = self.scheduler.next_prefill()
         if chunks:
@@ -341,6 +365,12 @@ class Engine:
                 events += self._drain()
         return events
 
+    def settle(self) -> None:
+        """Read the step in flight, if any, and release what finished: nothing is left running on
+        the device for requests that are gone."""
+        self._drain()
+        self._release_finished()
+
     def _drain(self):
         if self._inflight is None:
             return []
@@ -373,8 +403,7 @@ class Engine:
             self.step()
         # An overlapped loop dispatched one step ahead for requests that turned out finished:
         # settle it, so its time and statistics do not spill into the next call.
-        self._drain()
-        self._release_finished()
+        self.settle()
         wall = time.perf_counter() - t0
         n = sum(len(r.output_ids) for r in reqs)
         self.last_generate_stats = {"wall_s": wall, "completion_tokens": n, "tokens_per_s": n / wall if wall else None}

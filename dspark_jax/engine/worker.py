@@ -72,6 +72,9 @@ class Worker:
     def release(self, req: Request) -> None:
         """A request left the engine (finished or aborted)."""
 
+    def release_device_memory(self) -> None:
+        """The engine stops using this worker: drop what it holds on the device."""
+
     def summary(self) -> dict:
         return {}
 

@@ -25,7 +25,6 @@ class SpeculativeConfig:
     lag: int = 2  # rounds between the survival a budget uses and the round it is for
     min_predicted_gain: float | None = 0.04  # trim only for this predicted gain over verify-all
     rounds_per_call: int = 1  # rounds per dispatched executable, each fed on the device
-    forced_budget: int | None = None  # profiling: verify exactly this many drafts beyond the anchors
     record_sts_dir: str | None = None  # write (raw confidence logits, accepted drafts) shards here
     num_steps: int | None = None  # MTP chain length k (None: the folder's, else DEFAULT_MTP_STEPS)
 
@@ -43,14 +42,12 @@ class SpeculativeConfig:
             raise ValueError(f"min_predicted_gain must be a number >= 0, got {g}")
         if not isinstance(self.rounds_per_call, int) or self.rounds_per_call < 1:
             raise ValueError(f"rounds_per_call must be an integer >= 1, got {self.rounds_per_call!r}")
-        if self.forced_budget is not None and self.forced_budget < 0:
-            raise ValueError(f"forced_budget must be >= 0, got {self.forced_budget}")
         if self.num_steps is not None and (not isinstance(self.num_steps, int) or self.num_steps < 1):
             raise ValueError(f"num_steps (MTP draft steps) must be an integer >= 1, got {self.num_steps!r}")
         if self.algorithm == "mtp":
             dspark_only = [name for name, value, default in (
                 ("mode", self.mode, "static"), ("sts", self.sts, None), ("cost_table", self.cost_table, None),
-                ("rounds_per_call", self.rounds_per_call, 1), ("forced_budget", self.forced_budget, None),
+                ("rounds_per_call", self.rounds_per_call, 1),
                 ("record_sts_dir", self.record_sts_dir, None)) if value != default]
             if dspark_only:
                 raise ValueError(f"{', '.join(dspark_only)}: DSpark options, not used by MTP")

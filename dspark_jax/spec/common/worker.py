@@ -99,6 +99,11 @@ class DraftWorker(Worker):
         processors = self.engine.processors
         return (False, True) if processors is not None and processors.precompile else (False,)
 
+    def release_device_memory(self) -> None:
+        """The drafter's weights, its cache and the compiled rounds go."""
+        self.dcache = self.drafter_state = None
+        self._compiled.clear()
+
     def executable(self, key, lower):
         """The compiled executable for key, lowering and compiling it on first use."""
         if key not in self._compiled:

@@ -1,15 +1,20 @@
-"""Profile a DSpark worker's step costs on this device and fit the additive table from them.
+"""Profile a DSpark engine's round costs on this device and fit the additive table from them.
 
-What benchmarks/profile_sps.py runs offline and what a server without a table runs at start-up
-(SGLang derives its table from the captured CUDA graphs the same way): each compiled round
-timed alone on a steady synthetic batch, for every batch-size bucket at a few verify budgets,
-plus a plain decode step per bucket, then the additive fit (cost_model.fit_additive_cost) with
-the decode curve beside it.  A derived table is cached on disk by everything that sets the
-costs, so a restart reads it back instead of timing again.
+What a server without a table runs at start-up (SGLang derives its table from its captured CUDA
+graphs; benchmarks/profile_sps.py runs the same offline): requests of a synthetic prompt run
+through the engine's own loop with every round forced to one verify budget, for each batch-size
+bucket at a few budgets, plus plain decode rounds per bucket; each cell is the median round
+period the loop itself measures, then comes the additive fit (cost_model.fit_additive_cost)
+with the decode curve beside it.  Timing the loop rather than the round executable alone is
+what makes the table price what serving pays: rounds dispatched back to back without the loop's
+host work and feeds came out 25-35% cheaper than the loop's at the 8B shape from batch 4 up
+(docs/decisions.md).  A derived table is cached on disk by everything that sets the costs, so a
+restart reads it back instead of timing again.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -21,6 +26,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from dspark_jax.engine.request import Status
+from dspark_jax.sampling import SamplingParams
 from dspark_jax.spec.dspark.cost_model import AdditiveCostTable, CostFit, fit_additive_cost
 
 log = logging.getLogger(__name__)
@@ -28,20 +35,65 @@ log = logging.getLogger(__name__)
 DEFAULT_FRACTIONS = (0.0, 0.5, 1.0)
 
 
-def profile_cells(worker, batch_sizes: Sequence[int], fractions: Sequence[float] = DEFAULT_FRACTIONS, *,
-                  context: int, sampling=(0.0, 0, 1.0), iters: int = 3, warmup: int = 1,
+def profile_cells(engine, batch_sizes: Sequence[int], fractions: Sequence[float] = DEFAULT_FRACTIONS, *,
+                  context: int, sampling: SamplingParams | None = None, warmup: int = 3, iters: int = 8,
                   progress: Callable[[int, int], None] | None = None) -> list[dict]:
     """Timed cells: {"bs", "K" (None for a plain decode step), "M", "tier", "seconds"}, one per
-    (batch size, fraction of the full budget) and one plain decode step per batch size."""
-    G = worker.gamma
-    grid = [(bs, int(round(f * bs * G))) for bs in batch_sizes for f in fractions] + [(bs, None) for bs in batch_sizes]
+    (batch size, fraction of the full budget) and one plain decode step per batch size, each the
+    median of ``iters`` round periods of the engine's loop after ``warmup`` rounds (which absorb
+    compiling and the switch from the cell before).  The engine must be idle; requests queued
+    meanwhile wait for the profile.  sampling: the profiled requests' (default greedy)."""
+    worker, G = engine.worker, engine.worker.gamma
+    grid = [(bs, int(round(f * bs * G))) for bs in batch_sizes for f in fractions] + [(bs, "decode") for bs in batch_sizes]
+    grid.sort(key=lambda cell: cell[0])  # one batch of requests per batch size
+    params = dataclasses.replace(sampling or SamplingParams(), ignore_eos=True, stop_token_ids=[], seed=0)
+    rng = np.random.default_rng(0)
+    held, engine.scheduler.waiting = engine.scheduler.waiting, collections.deque()
+    batch: list = []
     cells = []
-    for i, (bs, K) in enumerate(grid):
-        tier, seconds = worker.time_round(bs, K, context, sampling, iters=iters, warmup=warmup)
-        cells.append({"bs": bs, "K": K, "M": bs + (K or 0), "tier": tier, "seconds": seconds})
-        if progress is not None:
-            progress(i + 1, len(grid))
+    try:
+        for i, (bs, K) in enumerate(grid):
+            need = (warmup + iters + 2) * (1 if K == "decode" else G + 1)  # positions the cell may commit
+            if len(batch) != bs or any(r.max_new - len(r.output_ids) < need for r in batch):
+                _drop(engine, batch)
+                batch = _admit(engine, bs, context, need, params, rng)
+            worker.force(K)
+            log = worker.stats["round_log"]
+            log.clear()
+            while sum(1 for b, *_ in log if b == bs) < warmup + iters:
+                if any(r.status is Status.FINISHED for r in batch):
+                    raise RuntimeError(f"a cost-profile request finished inside its cell (bs {bs}, budget {K})")
+                engine.step()
+            rounds = [(tier, seconds) for b, _, tier, _, seconds, _ in log if b == bs][warmup:]
+            cells.append({"bs": bs, "K": None if K == "decode" else min(K, bs * G), "M": bs + (0 if K == "decode" else
+                          min(K, bs * G)), "tier": rounds[-1][0], "seconds": float(np.median([s for _, s in rounds]))})
+            if progress is not None:
+                progress(i + 1, len(grid))
+    finally:
+        worker.force(None)
+        _drop(engine, batch)
+        engine.scheduler.waiting.extend(held)
     return cells
+
+
+def _admit(engine, bs: int, context: int, need: int, params: SamplingParams, rng) -> list:
+    """bs profiling requests of random context-token prompts, prefilled (decoding from here on)."""
+    params = dataclasses.replace(params, max_new_tokens=min(4 * need, engine.max_model_len - context - engine.lookahead))
+    if params.max_new_tokens < need:
+        raise ValueError(f"a cost profile at context {context} needs {need + context + engine.lookahead} positions; "
+                         f"the context is {engine.max_model_len}")
+    ids = [engine.add_request(rng.integers(1, engine.num_tokens, context).tolist(), params,
+                              request_id=f"cost-profile-{bs}-{i}") for i in range(bs)]
+    reqs = [engine.get_request(i) for i in ids]
+    while any(r.status is not Status.DECODE for r in reqs):
+        engine.step()
+    return reqs
+
+
+def _drop(engine, batch) -> None:
+    for r in batch:
+        engine.abort(r.id)
+    engine.settle()
 
 
 def fit_cells(cells: Sequence[dict], m_bin: int = 64, monotone: bool = True) -> CostFit:
@@ -61,7 +113,7 @@ def _cache_key(worker, context: int) -> str:
     e = worker.engine
     facts = {"target": dataclasses.asdict(e.config), "drafter": dataclasses.asdict(worker.drafter.config),
              "max_running": e.ec.max_running_requests, "page_size": e.ec.page_size, "pages": e.pages_per_seq,
-             "kernels": [e.runner.backend, e.runner.norm_backend, e.runner.kv_write_backend], "unroll": e.runner.unroll,
+             "method": "loop", "kernels": [e.runner.backend, e.runner.norm_backend, e.runner.kv_write_backend], "unroll": e.runner.unroll,
              "dtype": str(e.runner.dtype), "rounds": worker.rounds, "context": context,
              "shapes": worker.tiers.shapes(),  # the compiled (tokens, rows) a round's cost depends on
              "device": e.parallel.device.device_kind, "jax": jax.__version__}
@@ -72,11 +124,11 @@ def _cache_key(worker, context: int) -> str:
 
 def derive_cost_table(worker, cache_dir: str | Path | None = None) -> AdditiveCostTable:
     """This device's table for the worker's engine: read from the cache, else profiled over every
-    batch-size bucket at a context of half the model length (at most 512) and fitted."""
+    batch-size bucket at a context of a quarter of the model length (at most 256) and fitted."""
     from dspark_jax.engine.model_runner import DEFAULT_CACHE_DIR
 
     e = worker.engine
-    context = min(512, e.max_model_len // 2)
+    context = min(256, e.max_model_len // 4)
     path = Path(cache_dir or DEFAULT_CACHE_DIR.parent / "tables") / f"{_cache_key(worker, context)}.json"
     if path.exists():
         try:
@@ -87,7 +139,7 @@ def derive_cost_table(worker, cache_dir: str | Path | None = None) -> AdditiveCo
             log.warning("ignoring the cached cost table %s: %s", path, err)
     t0 = time.perf_counter()
     report = lambda done, total: log.info("profiling step costs: %d/%d cells", done, total)
-    fit = fit_cells(profile_cells(worker, e.decode_buckets, context=context, progress=report))
+    fit = fit_cells(profile_cells(e, e.decode_buckets, context=context, progress=report))
     log.info("cost table derived in %.1f s (R^2 %.3f); cached at %s", time.perf_counter() - t0, fit.r_squared, path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fit.table.save(path)

@@ -18,6 +18,7 @@ writes stay inside its own reserved pages (the lookahead covers two calls' block
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import functools
 import time
@@ -103,7 +104,8 @@ class DSparkWorker(DraftWorker):
         self._lag = max(spec.lag, (2 if engine.ec.overlap else 1) * n)
         # "derive": the table is profiled once the executables exist (calibrate); until then the
         # worker compiles for trimming and for plain decode steps, whatever the table turns out to be.
-        self._derive = isinstance(spec.cost_table, str) and spec.mode != "static" and spec.forced_budget is None
+        self._derive = isinstance(spec.cost_table, str) and spec.mode != "static"
+        self._forced: int | str | None = None  # profiling: see force()
         self.use_table(None if self._derive else spec.cost_table)
         self._derive_pending = self._derive
         top = max(engine.decode_buckets) * (G + 1)
@@ -140,27 +142,62 @@ class DSparkWorker(DraftWorker):
         self._derive_pending = False
         self.scheduler = sched = ConfidenceScheduler(self.gamma, table, lag=self._lag,
                                                      min_predicted_gain=spec.min_predicted_gain)
-        priced = spec.mode != "static" and table is not None and spec.forced_budget is None
+        priced = spec.mode != "static" and table is not None
         # Rounds decided from lagged survival (a lag ring): the table can trim, or make a round a
         # plain decode step.  Otherwise every block is verified, priced from the table alone.
         self._schedules = priced and (sched.can_trim or sched.can_decode)
         self._trims = self._schedules and sched.can_trim
         self._prices_verify_all = priced and not self._schedules
 
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether the cost table is still to be derived (Engine.calibrate)."""
+        return self._derive_pending
+
     def calibrate(self) -> None:
         """Derive the cost table on this device when the config asks for it (spec.cost_table
-        "derive"): profile the compiled rounds, then schedule with the fit."""
-        if self._derive:
+        "derive"): profile rounds in the engine's loop, then schedule with the fit.  The
+        profiling rounds leave no trace in the statistics."""
+        if self._derive_pending:
             from dspark_jax.spec.dspark.profile import derive_cost_table
 
-            self.use_table(derive_cost_table(self))
+            self._derive_pending = False  # (the profile steps the engine, which would calibrate again)
+            table = derive_cost_table(self)
+            self.new_stats("predicted_step_s", "measured_step_s", "round_log")
+            if self.confidence_metrics is not None:
+                self.confidence_metrics = ConfidenceMetricsAccumulator(self.gamma)
+            self.use_table(table)
+
+    def speculation_pays(self) -> bool:
+        """Whether the derived cost table lets any round beat a plain decode step at some batch
+        size, even with every draft accepted.  False only for a table measured here that prices
+        decode steps and says no: then the drafter is dead weight, and the engine serves plain
+        decode steps instead.  (A table given by the user is taken as given: its rounds may still
+        be decode rounds, which keep the drafter's context current.)"""
+        table, G = self.scheduler.cost_table, self.gamma
+        if not self._derive or table is None or not table.prices_decode:
+            return True
+        gain = 1.0 + (self.spec.min_predicted_gain or 0.0)
+        for bs in self.engine.decode_buckets:
+            K = np.arange(bs * G + 1)
+            if np.max((bs + K) / table.predict(bs, K)) >= bs / table.predict_decode(bs) * gain:
+                return True
+        return False
+
+    def force(self, budget: int | str | None) -> None:
+        """Profiling: every round from now on verifies exactly ``budget`` drafts beyond the
+        anchors (capped at the batch's blocks; the configured verify mode's executables), or is
+        a plain decode step ("decode"); None gives the rounds back to the scheduler."""
+        if not (budget is None or budget == "decode" or (isinstance(budget, int) and budget >= 0)):
+            raise ValueError(f"a forced budget is an integer >= 0, 'decode' or None, got {budget!r}")
+        self._forced = budget
 
     @property
     def mode(self) -> str:
         """The verify mode rounds run: a worker that can never trim verifies every block, so it
         runs (and compiles) static rounds; a forced budget (profiling) keeps the configured mode."""
         spec = self.spec
-        keeps = spec.mode == "static" or self._trims or self._derive or spec.forced_budget is not None
+        keeps = spec.mode == "static" or self._trims or self._derive or self._forced is not None
         return spec.mode if keeps else "static"
 
     # -- compilation ---------------------------------------------------------------------------
@@ -220,21 +257,22 @@ class DSparkWorker(DraftWorker):
     def _decisions(self, bs: int, step: int, slots, generations) -> list:
         """Each round's budget decision, from host facts only."""
         spec, sched, full = self.spec, self.scheduler, bs * self.gamma
+        if self._forced == "decode":
+            return [BudgetDecision(0, 0, float("nan"), None, None, decode=True)] * self.rounds
+        if self._forced is not None:
+            K = min(self._forced, full) if spec.mode != "static" else full
+            price = sched.price(bs, K) if sched.cost_table is not None else None
+            return [BudgetDecision(K, K, float("nan"), price, None)] * self.rounds
         if self._prices_verify_all:  # a table flat in K: verify all, priced once
             return [sched.verify_all(bs)] * self.rounds
         if self._schedules:
             return [sched.decide_lagged(step + j, generations, slots) for j in range(self.rounds)]
-        forced = spec.forced_budget is not None and spec.mode != "static"  # profiling (profile_sps.py)
-        K = min(spec.forced_budget, full) if forced else full
-        price = float(spec.cost_table.predict(bs, K)) if forced and spec.cost_table is not None else None
-        return [BudgetDecision(K, K, float("nan"), price, None)] * self.rounds
+        return [BudgetDecision(full, full, float("nan"), None, None)] * self.rounds
 
     def dispatch(self, reqs, prev: _Call | None) -> _Call:
         """prev: the in-flight (unread) call, whose device outputs feed the anchors and positions
         of the requests it holds (None, and for any other request: the host's committed state,
         which is current because no unread call holds them)."""
-        if self._derive_pending:  # compiled lazily: the table is profiled before the first round
-            self.calibrate()
         G, bs = self.gamma, len(reqs)
         batch = tuple(reqs)  # a slot and its generation stay fixed while a request runs
         if self._batch_slots is None or self._batch_slots[0] != batch:
@@ -314,20 +352,19 @@ class DSparkWorker(DraftWorker):
         return [(r, committed) for r, _, committed in done]
 
     # -- profiling -----------------------------------------------------------------------------
-    def time_round(self, batch_size: int, budget: int | None, context: int, sampling=(0.0, 0, 1.0), iters: int = 10,
-                   warmup: int = 3) -> tuple[int, float]:
-        """(tier, median seconds per round) of the compiled round alone on a steady synthetic
-        batch: batch_size requests whose anchors sit at `context`, verifying `budget` drafts
-        beyond them (the compact executable; None: a plain decode step), sampling =
-        (temperature, top_k, top_p).  Every repeat overwrites the same positions, so nothing is
-        committed.  Timed over chains of calls dispatched back to back (the overlapped loop's
-        period: device time or dispatch, whichever bounds it), without the loop's commit work."""
+    @contextlib.contextmanager
+    def synthetic_round(self, batch_size: int, budget: int | None, context: int, sampling=(0.0, 0, 1.0)):
+        """(tier, call): ``call()`` dispatches the compiled round once on a steady synthetic batch
+        and returns its device results: batch_size requests whose anchors sit at ``context``,
+        verifying ``budget`` drafts beyond them (the compact executable; None: a plain decode
+        step), sampling = (temperature, top_k, top_p).  Every call overwrites the same positions,
+        so nothing is committed; the pages are given back on exit."""
         e = self.engine
         mode = "compact" if budget is not None else "decode"
         T = (self.tiers.tier_for(batch_size, budget) if budget is not None else
              self.tiers.batch_sizes[bisect.bisect_left(self.tiers.batch_sizes, batch_size)])
         S, P = (self.tiers.rows_for(T, batch_size) if budget is not None else T), e.pages_per_seq
-        owners = [("time_round", i) for i in range(batch_size)]
+        owners = [("synthetic_round", i) for i in range(batch_size)]
         table = np.zeros((S, P), np.int32)
         for i, owner in enumerate(owners):
             e.pool.reserve(owner, context + self.lookahead)
@@ -345,20 +382,34 @@ class DSparkWorker(DraftWorker):
                              fed_index=np.full(S, -1, np.int32))
             fn, pack, runner = self._round_executable(mode, T, S, P), self._input_pack(S, P), e.runner
             packed = pack.pack(inp)
-            def chain(n: int) -> float:  # n calls back to back, as the overlapped loop dispatches them
+
+            def call():
+                results, _, runner.cache, self.dcache, _ = fn(runner.state, self.drafter_state, runner.cache,
+                                                              self.dcache, None, packed, pack.device(inp),
+                                                              self.sts_temperatures)
+                return results
+
+            yield T, call
+        finally:
+            for owner in owners:
+                e.pool.free(owner)
+
+    def time_round(self, batch_size: int, budget: int | None, context: int, sampling=(0.0, 0, 1.0), iters: int = 10,
+                   warmup: int = 3) -> tuple[int, float]:
+        """(tier, median seconds per round) of synthetic_round's call, timed over chains of calls
+        dispatched back to back: device time or dispatch, whichever bounds it, without the
+        loop's host work and feeds (the cost table is profiled in the loop instead:
+        spec/dspark/profile.py)."""
+        with self.synthetic_round(batch_size, budget, context, sampling) as (T, call):
+            def chain(n: int) -> float:
                 t0 = time.perf_counter()
                 for _ in range(n):
-                    results, _, runner.cache, self.dcache, _ = fn(runner.state, self.drafter_state, runner.cache,
-                                                                  self.dcache, None, packed, pack.device(inp),
-                                                                  self.sts_temperatures)
+                    results = call()
                 jax.block_until_ready(results)
                 return (time.perf_counter() - t0) / n
 
             chain(warmup)
             times = [chain(iters) for _ in range(3)]
-        finally:
-            for owner in owners:
-                e.pool.free(owner)
         return T, float(np.median(times)) / self.rounds
 
     # -- reports -------------------------------------------------------------------------------
