@@ -196,8 +196,11 @@ def decode_step(target, drafter, tcache: KVCache, dcache: KVCache, lstate: Logit
     fb = front_pack(inp.anchor, jnp.zeros((S, G), jnp.int32), ones, inp.start, inp.page_table, inp.num_seqs,
                     num_tokens=num_tokens, page_size=page_size)
     out = target(tcache, fb, tap_layers=drafter.config.target_layer_ids, **target_options)
+    # "stochastic": the same tokens as the default variant without its device-side conditional
+    # around the whole sampling path, which on the GPU cost a decode round ~3.5 ms of idle device
+    # (docs/decisions.md); greedy rows still take the argmax.
     token, lp, lstate = sample_processed(out.logits[:S], (inp.temperature, inp.top_k, inp.top_p, inp.seed, inp.start + 1),
-                                         lstate, jnp.where(inp.live, inp.logit_slot, -1))
+                                         lstate, jnp.where(inp.live, inp.logit_slot, -1), variant="stochastic")
     # logprobs of the one committed token at window row 0 (none in an unprocessed round)
     lp = empty_logprobs(S) if lp is None else TokenLogprobs(*(
         jnp.zeros((S, G + 1, *x.shape[1:]), x.dtype).at[:, 0].set(x) for x in lp))
