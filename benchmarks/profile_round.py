@@ -38,7 +38,7 @@ def profile_batch(plain: Engine, dspark: Engine, bs: int, context: int, steps: i
     out = [{"bs": bs, "kind": "plain", **profile_calls(plain_decode_call(plain, bs, context), steps, top)}]
     for kind, budget in (("decode round", None), ("full round", bs * worker.gamma)):
         with worker.synthetic_round(bs, budget, context) as (tier, call):
-            out.append({"bs": bs, "kind": kind, "tier": tier, **profile_calls(call, steps, top)})
+            out.append({"bs": bs, "kind": kind, "tier": tier, **profile_calls(call, steps, top, sequence=1000)})
     return out
 
 
@@ -59,6 +59,13 @@ def report(cells: list[dict], env: dict, args) -> str:
     for c in cells:
         if "error" in c:
             continue
+        seq = c.get("sequence") or []
+        if seq:  # where the device sat idle in the last call: the kernels launched after the longest gaps
+            idle = sorted(range(len(seq)), key=lambda i: -seq[i]["gap_before_us"])[:6]
+            md += ["", f"Batch {c['bs']}, {c['kind']}: longest idle gaps in the last call (kernel index of "
+                   f"{len(seq)}, the kernel after the gap, the one before it):", ""]
+            md += [f"- {seq[i]['gap_before_us']:.0f} us before #{i} `{seq[i]['name'][:60]}` "
+                   f"(after `{seq[i - 1]['name'][:60] if i else '-'}`)" for i in sorted(idle)]
         md += ["", f"## batch {c['bs']}, {c['kind']}", "", "| kernel | calls | us | us/call |", "|---|---:|---:|---:|"]
         md += [f"| `{k['name'][:90]}` | {k['calls_per_step']:.0f} | {k['us_per_step']:.1f} | {k['us_per_call']:.2f} |"
                for k in c["top_kernels"]]

@@ -3,8 +3,8 @@
 prefill_step: the target prefills prompt chunks with its tapped layers, the drafter's context
 cache is extended with those rows, and the first token is sampled.
 
-spec_step, one round for a batch of requests (mode "decode": a plain decode step instead, the
-target's next token of every anchor, whose row still extends the draft context):
+spec_step, one round for a batch of requests (mode "decode" or "decode-greedy": a plain decode
+step instead, the target's next token of every anchor, whose row still extends the draft context):
   draft a block per request (drafter + sequential head + confidence)
   -> verify windows (static: the full block; compact / cap-accept: top-K of current survival,
      K chosen on the host from lagged survival)
@@ -61,6 +61,9 @@ class SpecInputs(RoundBatch):
 
 
 FED_FIELDS = ("fed_anchor", "fed_start")  # left on the device by the previous round
+
+
+DECODE_MODES = ("decode", "decode-greedy")  # a plain decode step in a round's place (sampling / all greedy)
 
 
 class SpecOutputs(NamedTuple):
@@ -140,9 +143,9 @@ def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCa
     fed, row = inp.fed_index >= 0, jnp.maximum(inp.fed_index, 0)
     inp = inp.replace(anchor=jnp.where(fed, inp.fed_anchor[row], inp.anchor),
                       start=jnp.where(fed, inp.fed_start[row], inp.start))
-    if mode == "decode":
+    if mode in DECODE_MODES:
         return decode_step(target, drafter, tcache, dcache, lstate, inp, num_tokens=num_tokens, page_size=page_size,
-                           target_options=target_options)
+                           target_options=target_options, greedy=mode == "decode-greedy")
 
     # 1. Draft.
     blk = block_batch(inp, G, cfg.mask_token_id, page_size, dcache.drop_slot)
@@ -186,21 +189,22 @@ def spec_step(target_def, drafter_def, target_state, drafter_state, tcache: KVCa
 
 
 def decode_step(target, drafter, tcache: KVCache, dcache: KVCache, lstate: LogitState | None, inp: SpecInputs, *,
-                num_tokens: int, page_size: int, target_options: dict):
+                num_tokens: int, page_size: int, target_options: dict, greedy: bool = False):
     """A plain decode step in a DSpark round's place: each anchor alone through the target (its
     row becomes draft context), the next token sampled as the plain engine samples it (key of
     the sampled position; processed as its processed steps process it), nothing drafted.  Same
-    inputs and outputs as spec_step."""
+    inputs and outputs as spec_step.  greedy: every live row has temperature 0 (the host knows),
+    so the argmax alone: the sampling path sits behind device-side conditionals, one of which
+    this step's GPU executable evaluated on the host, idling the device ~3.5 ms a call at the 8B
+    shape (docs/decisions.md), where the plain engine's greedy step has none."""
     G, S = drafter.config.block_size, inp.anchor.shape[0]
     ones = jnp.where(inp.live, 1, 0).astype(jnp.int32)
     fb = front_pack(inp.anchor, jnp.zeros((S, G), jnp.int32), ones, inp.start, inp.page_table, inp.num_seqs,
                     num_tokens=num_tokens, page_size=page_size)
     out = target(tcache, fb, tap_layers=drafter.config.target_layer_ids, **target_options)
-    # "stochastic": the same tokens as the default variant without its device-side conditional
-    # around the whole sampling path, which on the GPU cost a decode round ~3.5 ms of idle device
-    # (docs/decisions.md); greedy rows still take the argmax.
     token, lp, lstate = sample_processed(out.logits[:S], (inp.temperature, inp.top_k, inp.top_p, inp.seed, inp.start + 1),
-                                         lstate, jnp.where(inp.live, inp.logit_slot, -1), variant="stochastic")
+                                         lstate, jnp.where(inp.live, inp.logit_slot, -1),
+                                         variant="greedy" if greedy else "any")
     # logprobs of the one committed token at window row 0 (none in an unprocessed round)
     lp = empty_logprobs(S) if lp is None else TokenLogprobs(*(
         jnp.zeros((S, G + 1, *x.shape[1:]), x.dtype).at[:, 0].set(x) for x in lp))

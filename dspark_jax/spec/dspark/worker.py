@@ -43,6 +43,7 @@ from dspark_jax.spec.common.worker import DraftWorker
 from dspark_jax.spec.dspark.planner import RoundPlan, plan_call
 from dspark_jax.spec.dspark.scheduler import BudgetDecision, ConfidenceScheduler
 from dspark_jax.spec.dspark.step import (
+    DECODE_MODES,
     FED_FIELDS,
     FED_OUTPUTS,
     RESULT_FIELDS,
@@ -119,7 +120,7 @@ class DSparkWorker(DraftWorker):
             target_options=runner.forward_options(False)),
             donate=(2, 3, 4), packed_input=5, packed_output=True, static=("num_tokens",),
             ins=("kv", "kv", None, None, None, None), outs=(None, None, "kv", "kv", None))
-            for mode in ("static", "compact", "cap-accept", "decode")}
+            for mode in ("static", "compact", "cap-accept", *DECODE_MODES)}
         R, par = engine.ec.max_running_requests, engine.parallel
         self._no_feed = (par.zeros((R,), jnp.int32), par.zeros((R,), jnp.int32))
         self.sts_temperatures = par.put(self.sts_temperatures)
@@ -207,7 +208,7 @@ class DSparkWorker(DraftWorker):
                for T, S in prefill_shapes(e)]
         shapes = [(self.mode, T, S) for T, S in self.tiers.shapes(trimmed=self.mode != "static")]
         if self._derive or (self._schedules and self.scheduler.can_decode):
-            shapes += [("decode", T, T) for T in e.decode_buckets]
+            shapes += [(mode, T, T) for T in e.decode_buckets for mode in DECODE_MODES]
         for mode, T, S in shapes:
             out += [(f"dspark {mode} round tokens={T} rows={S} pages={P}{' processed' if processed else ''}",
                      functools.partial(self._round_executable, mode, T, S, P, processed))
@@ -285,6 +286,8 @@ class DSparkWorker(DraftWorker):
                          price=self.scheduler.price if self._trims else None)
         S = plan.rows
         arrays = self.round_arrays(reqs, S)
+        if plan.mode == "decode" and not arrays.temperature.any():  # every row greedy: the argmax-only step
+            plan = dataclasses.replace(plan, mode="decode-greedy")
         fed_index = np.full(S, -1, np.int32)
         if prev is not None and prev.reqs == reqs:  # the same batch as the call in flight: fed row by row
             fed_index[:bs] = np.arange(bs, dtype=np.int32)
@@ -337,7 +340,7 @@ class DSparkWorker(DraftWorker):
         # Rows of requests that finished in an earlier round ran past their end: keep them out of
         # the calibration data (the lag ring drops them by slot generation).
         alive = np.array([r.status is not Status.FINISHED for r in call.reqs])
-        drafted = call.plan.mode != "decode"  # a plain decode step drafts nothing: no survival to learn from
+        drafted = call.plan.mode not in DECODE_MODES  # a plain decode step drafts nothing: no survival to learn from
         if self.confidence_metrics is not None and drafted:
             labels = np.arange(G)[None, :] < out.block_accept[:bs, None]
             self.confidence_metrics.update(out.survival[:bs][alive], labels[alive])
@@ -360,7 +363,7 @@ class DSparkWorker(DraftWorker):
         step), sampling = (temperature, top_k, top_p).  Every call overwrites the same positions,
         so nothing is committed; the pages are given back on exit."""
         e = self.engine
-        mode = "compact" if budget is not None else "decode"
+        mode = "compact" if budget is not None else "decode-greedy" if sampling[0] == 0 else "decode"
         T = (self.tiers.tier_for(batch_size, budget) if budget is not None else
              self.tiers.batch_sizes[bisect.bisect_left(self.tiers.batch_sizes, batch_size)])
         S, P = (self.tiers.rows_for(T, batch_size) if budget is not None else T), e.pages_per_seq
