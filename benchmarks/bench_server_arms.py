@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shlex
 import sys
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import load_generator  # noqa: E402
 from benchmarks.common import environment, write_results  # noqa: E402
-from benchmarks.server_process import launch, stop, wait_healthy  # noqa: E402
+from benchmarks.server_process import http, launch, stop, wait_healthy  # noqa: E402
 
 DEFAULT_ARMS = ("none=--speculative-algorithm NONE", "default=")
 
@@ -49,12 +50,15 @@ def main(argv=None) -> int:
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "bench_server_arms"
     log_dir.mkdir(parents=True, exist_ok=True)
 
-    procs = {}
+    procs, running = {}, {}
     try:
         for i, (name, flags) in enumerate(arms):  # one at a time: start-up compiles on every core
             log = log_dir / f"server_{name}.log"
             procs[name] = launch(shlex.split(flags), log, port=args.base_port + i)
             wait_healthy(*procs[name], args.startup_timeout, log)
+            # what the server runs (a DSpark default may serve plain steps where its table says so)
+            info = json.loads(http(procs[name][1] + "/server_info")[1] or b"{}")
+            running[name] = info.get("speculative_algorithm", "?")
         runs = {name: {c: [] for c in levels} for name, _ in arms}
         bar = tqdm(total=len(levels) * args.repeats * len(arms), desc="load", unit="run")
         for c in levels:
@@ -83,17 +87,17 @@ def main(argv=None) -> int:
             f"jax {env['jax']}, python {env['python']}, {env['date']}, commit {env['commit']}; "
             f"{args.duration:.0f} s per run, median of {args.repeats} interleaved runs, max_tokens "
             f"{args.max_tokens}, T={args.temperature}.\n",
-            "| arm | flags | " + " | ".join(f"{c} streams (ratio to {ref})" for c in levels) + " |",
-            "|---|---|" + "---|" * len(levels)]
+            "| arm | flags | runs | " + " | ".join(f"{c} streams (ratio to {ref})" for c in levels) + " |",
+            "|---|---|---|" + "---|" * len(levels)]
     for name, flags in arms:
         cells = [f"{table[name][c]:.1f} ({table[name][c] / table[ref][c]:.2f}x)" if table[ref][c] else "-"
                  for c in levels]
-        rows.append(f"| {name} | `{flags or '(defaults)'}` | " + " | ".join(cells) + " |")
+        rows.append(f"| {name} | `{flags or '(defaults)'}` | {running[name]} | " + " | ".join(cells) + " |")
     failed = sum(x["requests_failed"] for a in runs.values() for c in a.values() for x in c)
     rows.append(f"\nFailed requests: {failed}.\n")
     md = "\n".join(rows)
     print(md)
-    write_results(args.name, {"environment": env, "arms": dict(arms), "concurrency": levels,
+    write_results(args.name, {"environment": env, "arms": dict(arms), "running": running, "concurrency": levels,
                               "duration_s": args.duration, "repeats": args.repeats,
                               "median_output_tok_s": table, "runs": runs}, md, args.out_dir)
     return 0 if failed == 0 else 1

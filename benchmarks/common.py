@@ -135,13 +135,9 @@ def host_event_summary(trace_dir: str) -> list[dict]:
     return sorted(rows, key=lambda r: -r["self_us"])
 
 
-def device_us_per_call(call, n: int = 50, warmup: int = 3) -> tuple[float, str]:
-    """Device time per call of ``call()`` (which dispatches one jitted call and returns its
-    result): the summed durations of the GPU kernels it launched, from a profiler trace of n
-    calls, so launch gaps and host dispatch are left out and nothing is fused across calls (an
-    unrolled chain of pure calls lets XLA merge them; a while loop adds its own per-iteration
-    cost).  Off the GPU, with no kernel events, the median wall time per blocked call instead.
-    Returns (us, method)."""
+def traced_kernel_events(call, n: int, warmup: int = 3) -> list:
+    """Device kernel events (name, start ns, duration ns) of ``n`` calls dispatched back to back
+    under the JAX profiler, after ``warmup`` blocked calls (empty off the GPU)."""
     import tempfile
 
     for _ in range(warmup):
@@ -152,7 +148,17 @@ def device_us_per_call(call, n: int = 50, warmup: int = 3) -> tuple[float, str]:
         for _ in range(n):
             out = call()
         jax.block_until_ready(out)
-    events = device_kernel_events(trace_dir) if jax.default_backend() == "gpu" else []
+    return device_kernel_events(trace_dir)
+
+
+def device_us_per_call(call, n: int = 50, warmup: int = 3) -> tuple[float, str]:
+    """Device time per call of ``call()`` (which dispatches one jitted call and returns its
+    result): the summed durations of the GPU kernels it launched, from a profiler trace of n
+    calls, so launch gaps and host dispatch are left out and nothing is fused across calls (an
+    unrolled chain of pure calls lets XLA merge them; a while loop adds its own per-iteration
+    cost).  Off the GPU, with no kernel events, the median wall time per blocked call instead.
+    Returns (us, method)."""
+    events = traced_kernel_events(call, n, warmup) if jax.default_backend() == "gpu" else []
     if events:
         return sum(d for _, _, d in events) / n / 1e3, "profiler: kernel durations per call"
     return time_fn(lambda: jax.block_until_ready(call()), warmup=1, iters=n) * 1e6, "wall time per blocked call"

@@ -17,7 +17,6 @@ import argparse
 import collections
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -30,9 +29,9 @@ from benchmarks.common import (
     add_backend_args,
     backend_kwargs,
     copy_bandwidth,
-    device_kernel_events,
     environment,
     random_model,
+    traced_kernel_events,
 )
 from dspark_jax.config import Qwen3Config
 from dspark_jax.engine import Engine, EngineConfig
@@ -90,15 +89,7 @@ def plain_decode_call(engine: Engine, bs: int, ctx: int):
 
 def profile_calls(call, steps: int, top: int, sequence: int = 0, warmup: int = 3) -> dict:
     """summarize() of ``steps`` calls dispatched back to back under the profiler, after warmup."""
-    for _ in range(warmup):
-        jax.block_until_ready(call())
-    trace_dir = tempfile.mkdtemp(prefix="step-trace-")
-    with jax.profiler.trace(trace_dir):
-        out = None
-        for _ in range(steps):
-            out = call()
-        jax.block_until_ready(out)
-    return summarize(device_kernel_events(trace_dir), steps, top, sequence)
+    return summarize(traced_kernel_events(call, steps, warmup), steps, top, sequence)
 
 
 def main(argv=None):
