@@ -464,6 +464,13 @@ def test_a_derived_cost_table_is_profiled_once_and_read_back(pair, plain, tmp_pa
     assert not lazy.worker.needs_calibration and lazy.worker.scheduler.cost_table.to_dict() == table.to_dict()
 
 
+def test_a_cost_profile_that_cannot_fit_the_kv_pool_says_so(pair):
+    """The profile runs every batch bucket's requests at once; a pool too small for the largest
+    batch to grow through its cells is a clear start-up error, not a loop waiting for pages."""
+    with pytest.raises(ValueError, match="cost profile of 4 requests"):
+        dspark(pair, EngineConfig(**EC, num_pages=40), mode="compact", cost_table="derive")
+
+
 def test_speculation_pays_is_the_best_full_acceptance_round_against_a_decode_step(pair):
     """On TABLE: a round of bs requests with every draft accepted commits bs + K tokens in
     T(bs, K); speculation pays at bs when the best of those beats bs / T_decode(bs) by the min-gain

@@ -46,7 +46,7 @@ def profile_cells(engine, batch_sizes: Sequence[int], fractions: Sequence[float]
     worker, G = engine.worker, engine.worker.gamma
     grid = [(bs, int(round(f * bs * G))) for bs in batch_sizes for f in fractions] + [(bs, "decode") for bs in batch_sizes]
     grid.sort(key=lambda cell: cell[0])  # one batch of requests per batch size
-    params = dataclasses.replace(sampling or SamplingParams(), ignore_eos=True, stop_token_ids=[], seed=0)
+    params = dataclasses.replace(sampling or SamplingParams(), ignore_eos=True, stop_token_ids=(), seed=0)
     rng = np.random.default_rng(0)
     held, engine.scheduler.waiting = engine.scheduler.waiting, collections.deque()
     batch: list = []
@@ -77,11 +77,15 @@ def profile_cells(engine, batch_sizes: Sequence[int], fractions: Sequence[float]
 
 
 def _admit(engine, bs: int, context: int, need: int, params: SamplingParams, rng) -> list:
-    """bs profiling requests of random context-token prompts, prefilled (decoding from here on)."""
-    params = dataclasses.replace(params, max_new_tokens=min(4 * need, engine.max_model_len - context - engine.lookahead))
-    if params.max_new_tokens < need:
-        raise ValueError(f"a cost profile at context {context} needs {need + context + engine.lookahead} positions; "
-                         f"the context is {engine.max_model_len}")
+    """bs profiling requests of random context-token prompts, prefilled (decoding from here on).
+    Each may grow by up to 4 cells' worth, within the context and its share of the KV pool."""
+    pool = engine.pool
+    share = pool.num_usable_pages // bs * pool.page_size  # tokens each of the bs requests may reserve
+    room = min(engine.max_model_len, share) - context - engine.lookahead
+    if room < need:
+        raise ValueError(f"a cost profile of {bs} requests at context {context} needs {need + context + engine.lookahead} "
+                         f"positions each; the context is {engine.max_model_len} and the KV pool holds {share} a request")
+    params = dataclasses.replace(params, max_new_tokens=min(4 * need, room))
     ids = [engine.add_request(rng.integers(1, engine.num_tokens, context).tolist(), params,
                               request_id=f"cost-profile-{bs}-{i}") for i in range(bs)]
     reqs = [engine.get_request(i) for i in ids]
