@@ -29,8 +29,6 @@ from benchmarks.profile_decode_step import plain_decode_call, profile_calls
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.spec.config import SpeculativeConfig
 
-KINDS = ("plain", "decode round", "full round")
-
 
 def profile_batch(plain: Engine, dspark: Engine, bs: int, context: int, steps: int, top: int) -> list[dict]:
     """One summary per kind at batch size bs."""

@@ -165,16 +165,19 @@ def main(argv=None) -> int:
              engine.compile_seconds)
     # what the engine runs: a DSpark engine whose measured table rules speculation out serves plain steps
     algorithm = args.speculative_algorithm if engine.worker.name != "none" else "NONE"
+    extra = {}
+    if algorithm == "MTP":
+        extra = {"speculative_num_steps": engine.worker.num_steps,
+                 "speculative_num_draft_tokens": engine.worker.num_steps + 1}
+    elif algorithm != args.speculative_algorithm:
+        extra = {"speculative_algorithm_requested": args.speculative_algorithm}
     cfg = ServerConfig(
         model_name=args.served_model_name or Path(args.model_path).name, model_path=str(args.model_path),
         draft_model_path=args.draft_model_path if algorithm != "NONE" else None, speculative_algorithm=algorithm,
         verify_mode=args.verify_mode if algorithm == "DSPARK" else None,
         block_size=getattr(engine.worker, "gamma", None), shutdown_timeout=args.shutdown_timeout,
         max_body_bytes=args.max_body_bytes, default_chat_max_tokens=args.default_chat_max_tokens,
-        extra={"speculative_num_steps": engine.worker.num_steps,
-               "speculative_num_draft_tokens": engine.worker.num_steps + 1}
-        if algorithm == "MTP" else {"speculative_algorithm_requested": args.speculative_algorithm}
-        if algorithm != args.speculative_algorithm else {},
+        extra=extra,
     )
     app = create_app(engines if len(engines) > 1 else engine, cfg)
     server = make_server(app, host=args.host, port=args.port, log_level=args.log_level,

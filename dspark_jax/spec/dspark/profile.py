@@ -65,8 +65,9 @@ def profile_cells(engine, batch_sizes: Sequence[int], fractions: Sequence[float]
                     raise RuntimeError(f"a cost-profile request finished inside its cell (bs {bs}, budget {K})")
                 engine.step()
             rounds = [(tier, seconds) for b, _, tier, _, seconds, _ in log if b == bs][warmup:]
-            cells.append({"bs": bs, "K": None if K == "decode" else min(K, bs * G), "M": bs + (0 if K == "decode" else
-                          min(K, bs * G)), "tier": rounds[-1][0], "seconds": float(np.median([s for _, s in rounds]))})
+            verified = None if K == "decode" else min(K, bs * G)
+            cells.append({"bs": bs, "K": verified, "M": bs + (verified or 0), "tier": rounds[-1][0],
+                          "seconds": float(np.median([s for _, s in rounds]))})
             if progress is not None:
                 progress(i + 1, len(grid))
     finally:

@@ -66,6 +66,11 @@ FED_FIELDS = ("fed_anchor", "fed_start")  # left on the device by the previous r
 DECODE_MODES = ("decode", "decode-greedy")  # a plain decode step in a round's place (sampling / all greedy)
 
 
+def decode_mode(temperature) -> str:
+    """The decode-round executable for rows with these temperatures: argmax-only when all are 0."""
+    return "decode" if np.any(np.asarray(temperature) > 0) else "decode-greedy"
+
+
 class SpecOutputs(NamedTuple):
     drafts: jax.Array  # [S, gamma]
     num_accepted: jax.Array  # [S] drafts committed

@@ -49,6 +49,7 @@ from dspark_jax.spec.dspark.step import (
     RESULT_FIELDS,
     SpecInputs,
     SpecOutputs,
+    decode_mode,
     prefill_step,
     spec_rounds,
 )
@@ -286,8 +287,8 @@ class DSparkWorker(DraftWorker):
                          price=self.scheduler.price if self._trims else None)
         S = plan.rows
         arrays = self.round_arrays(reqs, S)
-        if plan.mode == "decode" and not arrays.temperature.any():  # every row greedy: the argmax-only step
-            plan = dataclasses.replace(plan, mode="decode-greedy")
+        if plan.mode == "decode":
+            plan = dataclasses.replace(plan, mode=decode_mode(arrays.temperature))
         fed_index = np.full(S, -1, np.int32)
         if prev is not None and prev.reqs == reqs:  # the same batch as the call in flight: fed row by row
             fed_index[:bs] = np.arange(bs, dtype=np.int32)
@@ -363,7 +364,7 @@ class DSparkWorker(DraftWorker):
         step), sampling = (temperature, top_k, top_p).  Every call overwrites the same positions,
         so nothing is committed; the pages are given back on exit."""
         e = self.engine
-        mode = "compact" if budget is not None else "decode-greedy" if sampling[0] == 0 else "decode"
+        mode = "compact" if budget is not None else decode_mode(sampling[0])
         T = (self.tiers.tier_for(batch_size, budget) if budget is not None else
              self.tiers.batch_sizes[bisect.bisect_left(self.tiers.batch_sizes, batch_size)])
         S, P = (self.tiers.rows_for(T, batch_size) if budget is not None else T), e.pages_per_seq
