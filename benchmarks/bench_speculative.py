@@ -270,6 +270,8 @@ def main(argv=None):
     for arm, engine in sorted(engines.items(), key=lambda kv: kv[0] != "compact+table"):
         if table == "derive" and parse_arm(arm).base in ("compact+table", "cap-accept"):
             t0 = time.perf_counter()
+            if args.lazy_compile:  # the profile runs every tier: build this arm's on every core first
+                compile_engines([engine])
             engine.worker.calibrate()  # profiled once, then shared
             table = engine.worker.scheduler.cost_table
             setup[arm] = time.perf_counter() - t0

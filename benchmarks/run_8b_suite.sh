@@ -43,9 +43,11 @@ for stage in $STAGES; do
       ;;
     sweep)
       # shellcheck disable=SC2086
+      # (every arm holds its own KV pool: batch 256 needs more than XLA's default 75% of the card)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=${SWEEP_MEM_FRACTION:-0.9} \
       timeout $(( $(left) - ${SWEEP_RESERVE:-10} )) "$PYTHON" benchmarks/bench_speculative.py --pair qwen3-8b \
           --batch-sizes $SWEEP_BATCHES --arms "$SWEEP_ARMS" --workloads "$SWEEP_WORKLOADS" --temperature "$SWEEP_T" \
-          --repeats 2 --waves 2 --single-prompts 3 --max-prompt-tokens 256 --tag "_t${SWEEP_T}${SWEEP_TAG:-}" \
+          --repeats 2 --waves 2 --single-prompts 3 --max-prompt-tokens 192 --tag "_t${SWEEP_T}${SWEEP_TAG:-}" \
           $SWEEP_ARGS --out-dir "$OUT" > "$OUT/logs/sweep.log" 2>&1 || echo "sweep cut short or failed"
       grep -E "built in|ready in" "$OUT/logs/sweep.log"; tail -n 30 "$OUT/logs/sweep.log"
       ;;

@@ -21,6 +21,7 @@ from training.corpus import (
 )
 from training.corpus.build import build_corpus
 from training.corpus.math_problems import TEMPLATES, generate_problem, generate_problems, parse_answer
+from training.corpus.prompts import MAX_PROMPTS
 from training.corpus.splits import assign_split
 
 # --- an independent checker for worked solutions ------------------------------------------
@@ -236,6 +237,6 @@ def test_committed_benchmark_prompts_are_well_formed():
     root = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts"
     for workload in WORKLOADS:
         records = load_prompts(root / f"{workload}.jsonl")
-        assert 0 < len(records) <= 200
+        assert 0 < len(records) <= MAX_PROMPTS
         assert all(r["workload"] == workload and r["prompt"] for r in records)
         assert all(("answer" in r) == (workload == "math") for r in records)

@@ -20,7 +20,7 @@ from training.corpus.storage import FORMAT, MANIFEST, WORKLOADS, split_path, wri
 
 DEFAULT_MATH_DOCS = 50_000
 DEFAULT_CODE_MAX_BYTES = 12_000_000
-DEFAULT_PROMPTS = 100
+DEFAULT_PROMPTS = 256
 
 
 def build_corpus(

@@ -16,7 +16,7 @@ from typing import TypeVar
 from training.corpus.storage import read_jsonl, write_jsonl
 
 T = TypeVar("T")
-MAX_PROMPTS = 200
+MAX_PROMPTS = 256
 
 
 def interleaved_sample(groups: Sequence[Sequence[T]], count: int, rng: random.Random) -> list[T]:

@@ -118,7 +118,9 @@ def _cache_key(worker, context: int) -> str:
     e = worker.engine
     facts = {"target": dataclasses.asdict(e.config), "drafter": dataclasses.asdict(worker.drafter.config),
              "max_running": e.ec.max_running_requests, "page_size": e.ec.page_size, "pages": e.pages_per_seq,
-             "method": "loop", "kernels": [e.runner.backend, e.runner.norm_backend, e.runner.kv_write_backend], "unroll": e.runner.unroll,
+             # format 2: tables timed since greedy decode rounds run their argmax-only executable
+             "method": "loop", "format": 2,
+             "kernels": [e.runner.backend, e.runner.norm_backend, e.runner.kv_write_backend], "unroll": e.runner.unroll,
              "dtype": str(e.runner.dtype), "rounds": worker.rounds, "context": context,
              "shapes": worker.tiers.shapes(),  # the compiled (tokens, rows) a round's cost depends on
              "device": e.parallel.device.device_kind, "jax": jax.__version__}
