@@ -29,23 +29,35 @@ from benchmarks.common import environment, write_results  # noqa: E402
 
 
 def hf_model(cfg, params, num_tokens: int):
-    """transformers' Qwen3ForCausalLM on the GPU holding the given pure-dict params (bf16)."""
+    """transformers' Qwen3ForCausalLM on the GPU holding the given pure-dict params (bf16).
+
+    Built on the GPU in bf16 (a meta-device model would leave the rotary buffers unmaterialised)
+    and filled from host tensors one at a time, so the GPU never holds two copies."""
     import torch
     import transformers
 
     from dspark_jax.checkpoint import hf_tensors
 
     hf_cfg = transformers.Qwen3Config(**{k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures",)})
-    with torch.device("meta"):
-        model = transformers.Qwen3ForCausalLM(hf_cfg)
-    state = {}
-    for name, arr in hf_tensors(cfg, params):
-        t = torch.from_numpy(np.ascontiguousarray(arr).view(np.uint16)).view(torch.bfloat16)
-        state[name] = t.to("cuda")
-    model.load_state_dict(state, strict=False, assign=True)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = transformers.Qwen3ForCausalLM(hf_cfg)
+    finally:
+        torch.set_default_dtype(default)
+    targets = model.state_dict()
+    loaded = set()
+    with torch.no_grad():
+        for name, arr in hf_tensors(cfg, params):
+            targets[name].copy_(torch.from_numpy(np.ascontiguousarray(arr).view(np.uint16)).view(torch.bfloat16))
+            loaded.add(name)
+    missing = set(targets) - loaded - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    if missing:
+        raise RuntimeError(f"transformers' model has weights the checkpoint lacks: {sorted(missing)[:5]}")
     if cfg.tie_word_embeddings:
         model.tie_weights()
-    model.to("cuda").eval()
+    model.eval()
     suppress = list(range(num_tokens, cfg.vocab_size))
     return model, suppress
 

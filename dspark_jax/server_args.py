@@ -158,9 +158,6 @@ class ServerArgs:
             raise ValueError("--nnodes > 1 needs --dist-init-addr (host:port of rank 0)")
         if self.nnodes > 1 and self.dp_size > 1:
             raise ValueError("--dp-size > 1 with --nnodes > 1 is not supported: one engine spans the hosts")
-        if self.nnodes > 1 and algo == "DSPARK" and self.verify_mode != "static" and self.sps_table_path is None:
-            raise ValueError("--nnodes > 1: a cost table derived on each host would differ and steer the hosts "
-                             "apart; pass --sps-table-path (or 'none') or --verify-mode static")
         if not 0 <= self.node_rank < max(self.nnodes, 1):
             raise ValueError(f"--node-rank must be in [0, --nnodes {self.nnodes}), got {self.node_rank}")
         for flag, value, low in (("--tp-size", self.tp_size, 1), ("--dp-size", self.dp_size, 1),

@@ -45,6 +45,7 @@ def _evict_without_rescanning() -> None:
 _evict_without_rescanning()
 
 TOKENIZER_TEXTS = None
+pytest_plugins = ["tests.tiny_engines"]  # model_dir, target, plain: the 300-token engine tests share
 
 
 def pytest_configure(config):

@@ -1,8 +1,9 @@
 """One process of the two-process tests (tests/test_parallel.py, tests/test_multihost_args.py):
 joins the other over localhost (gloo), builds a TP 2 engine spanning both processes' CPU devices
 and writes rank 0's tokens as JSON.  Usage: python tests/multihost_worker.py RANK PORT OUT_JSON
-[check-args] (check-args: the cross-rank engine-argument check instead; each rank writes
-OUT_JSON.RANK).  ``run_two_ranks`` starts both ranks from a test."""
+[check-args | derive-table] (instead, each rank writing OUT_JSON.RANK: check-args, the cross-rank
+engine-argument check; derive-table, a compact engine deriving its cost table on both ranks).
+``run_two_ranks`` starts both ranks from a test."""
 
 from __future__ import annotations
 
@@ -87,8 +88,44 @@ def check_args(rank: int, port: int, out: str) -> None:
     Path(f"{out}.{rank}").write_text(json.dumps(message))
 
 
+def derive_table(rank: int, port: int, out: str) -> None:
+    """A compact TP 2 engine derives its cost table on both ranks (profiled together), then again
+    where only rank 0 has it cached; each rank writes the tables it got and the greedy tokens
+    committed with them, rank 0 leading."""
+    from dspark_jax.parallel.multihost import initialize
+
+    initialize(2, rank, f"127.0.0.1:{port}")
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    from dspark_jax.engine import Engine, EngineConfig
+    from dspark_jax.parallel.multihost import LeaderEngine, follow
+    from dspark_jax.spec.config import SpeculativeConfig
+    from dspark_jax.spec.dspark.profile import derive_cost_table
+    from tests.test_mtp_engine import scaled_target
+    from tests.test_parallel import EC, GREEDY, V, _prompts
+    from tests.test_speculative_engine import repeat_biased_drafter
+
+    target = scaled_target(vocab=V, attention_bias=True)
+    eng = Engine(target, None, EngineConfig(**EC, tp_size=2), drafter=repeat_biased_drafter(target),
+                 spec=SpeculativeConfig(mode="compact"))
+    profiled = derive_cost_table(eng.worker, f"{out}.tables{rank}")
+    cached = derive_cost_table(eng.worker, f"{out}.tables{rank if rank == 0 else 'empty'}")
+    eng.worker.use_table(profiled)
+    tokens = None
+    if rank == 0:
+        lead = LeaderEngine(eng)
+        tokens = [r.token_ids for r in lead.generate(_prompts(), GREEDY)]
+        lead.close()
+    else:
+        follow(eng)
+    Path(f"{out}.{rank}").write_text(json.dumps({"profiled": profiled.to_dict(), "cached": cached.to_dict(),
+                                                 "tokens": tokens}))
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ.pop("XLA_FLAGS", None)  # one CPU device per process
-    (check_args if sys.argv[4:] == ["check-args"] else main)(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    mode = {"check-args": check_args, "derive-table": derive_table}.get(sys.argv[4] if sys.argv[4:] else "", main)
+    mode(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

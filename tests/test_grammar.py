@@ -12,36 +12,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.checkpoint import load_model
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.errors import InvalidRequestError
 from dspark_jax.models.qwen3 import forward_dense
 from dspark_jax.sampling import SamplingParams
 from dspark_jax.tokenizer import Tokenizer
+from tests.tiny_engines import EC
 
-EC = dict(max_running_requests=4, max_prefill_tokens=64, max_model_len=256, page_size=8, precompile=False)
 EOS = 0  # the tiny model's
 REGEXES = [r"(cat|dog)s? [0-9]{2,4}", r"[a-c]{2,5}(x|yy)!", r"(true|false|null)"]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"},
                                            "color": {"enum": ["red", "green", "blue"]}},
           "required": ["name", "ok", "color"]}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from dspark_jax.tiny_model import write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("grammar") / "m", vocab_size=300, max_position_embeddings=512)
-
-
-@pytest.fixture(scope="module")
-def target(model_dir):
-    return load_model(model_dir)[1]
-
-
-@pytest.fixture(scope="module")
-def plain(model_dir):
-    return Engine.from_pretrained(model_dir, EngineConfig(**EC))
 
 
 def _requests():

@@ -3,7 +3,6 @@ plain engine's constrained greedy tokens (the DSpark arms: test_grammar_speculat
 
 from __future__ import annotations
 
-from tests.test_grammar import model_dir, target  # noqa: F401 (fixtures)
 from tests.test_grammar_speculative import check_arm, constrained  # noqa: F401 (a fixture)
 
 

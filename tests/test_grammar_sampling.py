@@ -7,15 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.grammar.compile import Grammar
 from dspark_jax.models.qwen3 import forward_dense
 from dspark_jax.sampling import SamplingParams
-from dspark_jax.spec.config import SpeculativeConfig
 from tests.stats import assert_counts_fit
 from tests.test_logit_processors import log_softmax, small_target  # noqa: F401 (a fixture)
-from tests.test_mtp_engine import repeat_drafter
-from tests.test_speculative_engine import repeat_biased_drafter
+from tests.tiny_engines import SAMPLING_ARMS, sampling_engine
 
 # A hand-made DFA over the 6-token target: state 0 allows 0, 1, 2, 4; 1 allows 2, 3, 5; 2 allows 0, 1, 3.
 TABLE = np.full((3, 6), -1, np.int32)
@@ -25,7 +22,7 @@ TABLE[2, [0, 1, 3]] = [0, 1, 2]
 HAND = Grammar("regex", "hand-made", TABLE, np.zeros(3, bool))
 
 
-@pytest.mark.parametrize("arm", ["plain", "static", "mtp"])
+@pytest.mark.parametrize("arm", SAMPLING_ARMS)
 def test_sampled_tokens_follow_the_masked_distribution(small_target, arm):  # noqa: F811
     """The joint law of the first three tokens (prefill, then two decode steps or one round's
     window) is the tempered target masked by the DFA state after the tokens before each."""
@@ -48,15 +45,7 @@ def test_sampled_tokens_follow_the_masked_distribution(small_target, arm):  # no
                 continue
             seq = a * V + b
             joint[a, b] = dist(raw[seq, 2], 0)[a] * dist(raw[seq, 3], s1)[b] * dist(raw[seq, 4], s2)
-    ec = EngineConfig(max_running_requests=64, max_prefill_tokens=256, max_prefill_seqs=64, max_model_len=64,
-                      page_size=4, precompile=False)
-    if arm == "plain":
-        eng = Engine(target, None, ec)
-    elif arm == "static":
-        eng = Engine(target, None, ec, drafter=repeat_biased_drafter(target, gamma=3, strength=2.0),
-                     spec=SpeculativeConfig(mode="static"))
-    else:
-        eng = Engine(target, None, ec, drafter=repeat_drafter(target), spec=SpeculativeConfig(algorithm="mtp", num_steps=2))
+    eng = sampling_engine(target, arm)
     n = 3000
     params = [SamplingParams(max_new_tokens=3, seed=i, temperature=temp, grammar=HAND.key, compiled_grammar=HAND)
               for i in range(n)]

@@ -8,8 +8,9 @@ import pytest
 
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.tokenizer import Tokenizer
-from tests.test_grammar import EC, PROMPTS, _check_matches, _requests, model_dir, target  # noqa: F401 (fixtures)
+from tests.test_grammar import PROMPTS, _check_matches, _requests
 from tests.test_logit_processors import _engine
+from tests.tiny_engines import EC
 
 
 @pytest.fixture(scope="module")

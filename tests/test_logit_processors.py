@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dspark_jax.checkpoint import load_model
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.errors import InvalidRequestError
 from dspark_jax.logit_processors import allocate_logit_state, commit_counts, install, install_arrays, process
@@ -22,8 +21,8 @@ from dspark_jax.tokenizer import Tokenizer
 from tests.stats import assert_counts_fit
 from tests.test_mtp_engine import repeat_drafter
 from tests.test_speculative_engine import TABLE, repeat_biased_drafter
+from tests.tiny_engines import EC, SAMPLING_ARMS, sampling_engine
 
-EC = dict(max_running_requests=4, max_prefill_tokens=64, max_model_len=256, page_size=8, precompile=False)
 EOS = 0  # the tiny model's
 
 
@@ -123,23 +122,6 @@ def test_validation_normalizes_bias_keys():
 
 
 # -- the engines -----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from dspark_jax.tiny_model import write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("logits") / "m", vocab_size=300, max_position_embeddings=512)
-
-
-@pytest.fixture(scope="module")
-def target(model_dir):
-    return load_model(model_dir)[1]
-
-
-@pytest.fixture(scope="module")
-def plain(model_dir):
-    return Engine.from_pretrained(model_dir, EngineConfig(**EC))
-
-
 def _mixed(n=16):
     """Four requests sharing one batch: two with penalties (one small enough that a run of repeats
     flips the argmax inside a verify window), one with none, one whose EOS a logit bias makes
@@ -307,7 +289,7 @@ def small_target():
     return t
 
 
-@pytest.mark.parametrize("arm", ["plain", "static", "mtp"])
+@pytest.mark.parametrize("arm", SAMPLING_ARMS)
 def test_sampled_tokens_follow_the_processed_distribution(small_target, arm):
     """The joint law of the first three tokens (one from prefill, two from decode steps or rounds,
     whose windows count earlier drafts) is the reference's processed, tempered distribution."""
@@ -327,15 +309,7 @@ def test_sampled_tokens_follow_the_processed_distribution(small_target, arm):
         for b in range(V):
             seq = a * V + b
             joint[a, b] = dist(raw[seq, 2], [])[a] * dist(raw[seq, 3], [a])[b] * dist(raw[seq, 4], [a, b])
-    ec = EngineConfig(max_running_requests=64, max_prefill_tokens=256, max_prefill_seqs=64, max_model_len=64,
-                      page_size=4, precompile=False)
-    if arm == "plain":
-        eng = Engine(target, None, ec)
-    elif arm == "static":
-        eng = Engine(target, None, ec, drafter=repeat_biased_drafter(target, gamma=3, strength=2.0),
-                     spec=SpeculativeConfig(mode="static"))
-    else:
-        eng = Engine(target, None, ec, drafter=repeat_drafter(target), spec=SpeculativeConfig(algorithm="mtp", num_steps=2))
+    eng = sampling_engine(target, arm)
     n = 6000
     res = eng.generate([prompt] * n, [SamplingParams(max_new_tokens=3, seed=i, **SAMPLED) for i in range(n)])
     counts = np.zeros((V, V, V))

@@ -486,6 +486,21 @@ def test_tp2_engine_across_two_processes_commits_the_single_process_tokens(tmp_p
     assert got["dspark_seeded"] == want
 
 
+def test_hosts_profile_the_cost_table_together_and_schedule_by_rank_0s(tmp_path, target):
+    """A derived table over two processes: both profile in step (the profile's rounds are
+    collective), and each takes rank 0's fit, which timings measured apart would never give;
+    where only rank 0 has the table cached, rank 1 takes it too instead of profiling alone (which
+    would leave it waiting in a collective).  The compact rounds rank 0 then leads commit the
+    single-device greedy tokens."""
+    from tests.multihost_worker import run_two_ranks
+
+    out = tmp_path / "table"
+    run_two_ranks(out, "derive-table")
+    got = [__import__("json").loads((tmp_path / f"table.{r}").read_text()) for r in (0, 1)]
+    assert got[0]["profiled"] == got[1]["profiled"] == got[0]["cached"] == got[1]["cached"]
+    assert got[0]["tokens"] == reference(target, "greedy", _prompts(), GREEDY)
+
+
 def test_parallel_flags_are_checked_and_reach_the_engine_config():
     from dspark_jax.server_args import ServerArgs
 
@@ -493,8 +508,7 @@ def test_parallel_flags_are_checked_and_reach_the_engine_config():
     assert (ec.tp_size, ec.dp_size) == (2, 3)
     for kw, msg in ((dict(nnodes=2), "needs --dist-init-addr"), (dict(tp_size=0), "--tp-size must be >= 1"),
                     (dict(nnodes=2, dist_init_addr="h:1", dp_size=2), "not supported"),
-                    (dict(nnodes=2, node_rank=2, dist_init_addr="h:1"), "--node-rank must be in"),
-                    (dict(nnodes=2, dist_init_addr="h:1", speculative_algorithm="DSPARK"), "--sps-table-path")):
+                    (dict(nnodes=2, node_rank=2, dist_init_addr="h:1"), "--node-rank must be in")):
         with pytest.raises(ValueError, match=msg):
             ServerArgs(**{"speculative_algorithm": "NONE", **kw}).resolve()
     with pytest.raises(ValueError, match="dp_size must be an integer"):

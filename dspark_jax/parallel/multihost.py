@@ -14,8 +14,8 @@ requests, so it is enough that every process sees the same requests at the same 
 
 While idle, rank 0 broadcasts an empty command list about once a second (from
 ``has_unfinished``, which the serving loop polls), so the followers' collective never waits long.
-Only rank 0 serves HTTP.  Timing must not steer what is computed: a DSpark cost table derived on
-each host would differ, so several hosts take a table file (or static verification).
+Only rank 0 serves HTTP.  Timing must not steer what is computed: a DSpark cost table is profiled
+on every host alike, then every host schedules by rank 0's fit (``broadcast_json``).
 """
 
 from __future__ import annotations
@@ -50,20 +50,20 @@ def initialize(nnodes: int, node_rank: int, dist_init_addr: str | None) -> bool:
     return True
 
 
-def _broadcast(commands: list | None) -> list:
-    """Rank 0's command list to every process (others pass None)."""
+def broadcast_json(value):
+    """Rank 0's JSON-able value on every process (what the others pass is ignored)."""
     import jax
     from jax.experimental import multihost_utils
 
     leader = jax.process_index() == 0
-    payload = json.dumps(commands).encode() if leader else b""
+    payload = json.dumps(value).encode() if leader else b""
     n = multihost_utils.broadcast_one_to_all(np.array([len(payload)], np.int32), is_source=leader)
     size = max(256, 1 << int(int(n[0]) - 1).bit_length())  # a few buffer sizes: a few compiles
     buf = np.zeros(size, np.uint8)
     if leader:
         buf[:len(payload)] = np.frombuffer(payload, np.uint8)
     buf = multihost_utils.broadcast_one_to_all(buf, is_source=leader)
-    return commands if leader else json.loads(bytes(np.asarray(buf)[:int(n[0])]).decode())
+    return value if leader else json.loads(bytes(np.asarray(buf)[:int(n[0])]).decode())
 
 
 def check_same_engine_args(args: dict) -> None:
@@ -77,7 +77,7 @@ def check_same_engine_args(args: dict) -> None:
     text = json.dumps(args, sort_keys=True, default=str)
     digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8)
     digests = np.asarray(multihost_utils.process_allgather(digest)).reshape(jax.process_count(), -1)
-    leader = _broadcast(json.loads(text) if jax.process_index() == 0 else None)
+    leader = broadcast_json(json.loads(text))
     differ = [r for r in range(len(digests)) if not np.array_equal(digests[r], digests[0])]
     if differ:
         mine = sorted(k for k in set(leader) | set(args) if json.dumps(leader.get(k), default=str) !=
@@ -118,7 +118,7 @@ class LeaderEngine:
 
     def _send(self, tail: list) -> None:
         commands, self._pending = self._pending + [tail], []
-        _broadcast(commands)
+        broadcast_json(commands)
         self._last_broadcast = time.monotonic()
 
     def step(self):
@@ -155,7 +155,7 @@ def follow(engine) -> int:
     steps run."""
     steps = 0
     while True:
-        for cmd in _broadcast(None):
+        for cmd in broadcast_json(None):
             kind = cmd[0]
             if kind == "add":
                 engine.add_request(cmd[1], _params(cmd[2]), request_id=cmd[3])

@@ -131,23 +131,47 @@ def _cache_key(worker, context: int) -> str:
 
 def derive_cost_table(worker, cache_dir: str | Path | None = None) -> AdditiveCostTable:
     """This device's table for the worker's engine: read from the cache, else profiled over every
-    batch-size bucket at a context of a quarter of the model length (at most 256) and fitted."""
+    batch-size bucket at a context of a quarter of the model length (at most 256) and fitted.
+
+    Over several hosts every process must schedule alike, so all of them take rank 0's table:
+    rank 0's cached one, else one profiled on every host at once (the profile's steps are
+    collective) and fitted on rank 0."""
     from dspark_jax.engine.model_runner import DEFAULT_CACHE_DIR
 
     e = worker.engine
     context = min(256, e.max_model_len // 4)
     path = Path(cache_dir or DEFAULT_CACHE_DIR.parent / "tables") / f"{_cache_key(worker, context)}.json"
-    if path.exists():
-        try:
-            table = AdditiveCostTable.load(path)
-            log.info("cost table read from %s", path)
-            return table
-        except (OSError, ValueError) as err:
-            log.warning("ignoring the cached cost table %s: %s", path, err)
+    table = _read_cached(path)
+    hosts = jax.process_count() > 1
+    if hosts:
+        table = _rank0_table(table)
+    if table is not None:
+        return table
     t0 = time.perf_counter()
     report = lambda done, total: log.info("profiling step costs: %d/%d cells", done, total)
     fit = fit_cells(profile_cells(e, e.decode_buckets, context=context, progress=report))
     log.info("cost table derived in %.1f s (R^2 %.3f); cached at %s", time.perf_counter() - t0, fit.r_squared, path)
+    table = _rank0_table(fit.table) if hosts else fit.table
     path.parent.mkdir(parents=True, exist_ok=True)
-    fit.table.save(path)
-    return fit.table
+    table.save(path)
+    return table
+
+
+def _read_cached(path: Path) -> AdditiveCostTable | None:
+    if not path.exists():
+        return None
+    try:
+        table = AdditiveCostTable.load(path)
+    except (OSError, ValueError) as err:
+        log.warning("ignoring the cached cost table %s: %s", path, err)
+        return None
+    log.info("cost table read from %s", path)
+    return table
+
+
+def _rank0_table(table: AdditiveCostTable | None) -> AdditiveCostTable | None:
+    """Rank 0's table (or its None) on every process."""
+    from dspark_jax.parallel.multihost import broadcast_json
+
+    data = broadcast_json(table.to_dict() if table is not None else None)
+    return None if data is None else AdditiveCostTable.from_dict(data)
