@@ -58,6 +58,7 @@ def hf_model(cfg, params, num_tokens: int):
     if cfg.tie_word_embeddings:
         model.tie_weights()
     model.eval()
+    model.generation_config.eos_token_id = None  # EOS is an ordinary token on both sides (ours: ignore_eos)
     suppress = list(range(num_tokens, cfg.vocab_size))
     return model, suppress
 
@@ -73,8 +74,8 @@ def hf_generate(model, tok, prompts, max_new: int, suppress) -> tuple[float, lis
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(batch, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-                             do_sample=False, suppress_tokens=suppress or None, pad_token_id=0)
+        out = model.generate(batch, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                             suppress_tokens=suppress or None, pad_token_id=0)
     torch.cuda.synchronize()
     return time.perf_counter() - t0, out[:, width:].tolist()
 
@@ -87,6 +88,11 @@ def ours(engine, prompts, max_new: int) -> tuple[float, list[list[int]]]:
     t0 = time.perf_counter()
     res = engine.generate(prompts, params)
     return time.perf_counter() - t0, [r.token_ids for r in res]
+
+
+def first_divergence(a: list[int], b: list[int]) -> int:
+    """The index of the first token where two generations differ."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def main(argv=None) -> int:
@@ -139,6 +145,7 @@ def main(argv=None) -> int:
             row[f"{name}_tok_s"] = len(prompts) * args.max_new_tokens / s_total
             row[f"{name}_over_hf"] = row[f"{name}_tok_s"] / row["hf_tok_s"]
             row[f"{name}_same_as_hf"] = sum(a == b for a, b in zip(ids_all, hf_ids))
+            row[f"{name}_first_divergence"] = sorted(first_divergence(a, b) for a, b in zip(ids_all, hf_ids) if a != b)
         rows.append(row)
         print(row, flush=True)
     env = environment()
@@ -150,13 +157,14 @@ def main(argv=None) -> int:
           f"torch {env['torch']}, transformers {env['transformers']}, {env['date']}, commit {env['commit']})\n",
           f"Greedy, {args.max_new_tokens} new tokens, {len(prompts)} held-out prompts (math, code, verse) in batches; "
           "tok/s = generated tokens / wall of the generate calls (prefill included, after a warm-up); same = "
-          "requests whose greedy tokens equal transformers'.\n",
-          "| batch | HF tok/s | plain tok/s | x HF | DSpark tok/s | x HF | same as HF (plain / DSpark) |",
-          "|---:|---:|---:|---:|---:|---:|---:|"]
+          "requests whose greedy tokens equal transformers' (else the token index where each first differs).\n",
+          "| batch | HF tok/s | plain tok/s | x HF | DSpark tok/s | x HF | same as HF (plain / DSpark) | first differing token (plain / DSpark) |",
+          "|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         md.append(f"| {r['batch']} | {r['hf_tok_s']:.1f} | {r['plain_tok_s']:.1f} | {r['plain_over_hf']:.2f} | "
                   f"{r['dspark_tok_s']:.1f} | {r['dspark_over_hf']:.2f} | {r['plain_same_as_hf']} / "
-                  f"{r['dspark_same_as_hf']} of {r['requests']} |")
+                  f"{r['dspark_same_as_hf']} of {r['requests']} | {r['plain_first_divergence']} / "
+                  f"{r['dspark_first_divergence']} |")
     write_results(f"hf_peer_{args.shape}{args.tag}", {"env": env, "rows": rows}, "\n".join(md) + "\n", args.out_dir)
     print("\n".join(md))
     return 0
