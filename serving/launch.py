@@ -100,6 +100,7 @@ def build_engine(args: ServerArgs):
     from dspark_jax.engine.engine import compile_engines
 
     engine = dataclasses.replace(args, precompile=False).build_engine()  # compiled here instead
+    engine.calibrate(compile=False, cached_only=True)  # a cached table may rule out the speculative steps
     bar = sys.stderr.isatty() and log.isEnabledFor(logging.INFO)
     progress = CompileProgress(engine, bar)
     redirect = contextlib.nullcontext()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import dspark_jax.engine.engine as engine_module
 from dspark_jax.checkpoint import load_model
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.layers.layer_split import is_split
@@ -438,7 +439,8 @@ def test_a_derived_cost_table_is_profiled_once_and_read_back(pair, plain, tmp_pa
     import dspark_jax.spec.dspark.profile as profile
 
     monkeypatch.setattr(profile, "derive_cost_table",
-                        lambda worker, cache_dir=None, real=profile.derive_cost_table: real(worker, tmp_path))
+                        lambda worker, cache_dir=None, measure=True, real=profile.derive_cost_table:
+                        real(worker, tmp_path, measure))
     cells = []
     monkeypatch.setattr(profile, "profile_cells", lambda *a, real=profile.profile_cells, **k: cells.extend(real(*a, **k))
                         or cells)
@@ -516,7 +518,8 @@ def test_an_engine_whose_measured_table_rules_speculation_out_runs_plain_steps(p
         eng = Engine(*pair[:2], EngineConfig(**LAZY), drafter=pair[2],
                      spec=SpeculativeConfig(mode="compact", cost_table="derive"))
         monkeypatch.setattr(profile, "derive_cost_table",
-                            lambda worker, cache_dir=None, d=tmp_path / str(decode_seconds): derive(worker, d))
+                            lambda worker, cache_dir=None, measure=True, d=tmp_path / str(decode_seconds):
+                            derive(worker, d, measure))
         worker = eng.worker
         got = [r.token_ids for r in eng.generate(prompts, GREEDY)]
         assert got == [r.token_ids for r in plain.generate(prompts, GREEDY)]
@@ -525,3 +528,14 @@ def test_an_engine_whose_measured_table_rules_speculation_out_runs_plain_steps(p
             assert worker.dcache is None and worker.drafter_state is None
             assert [r.token_ids for r in eng.generate(prompts, sampled)] == \
                 [r.token_ids for r in plain.generate(prompts, sampled)]
+        # A precompiled engine started on that cache decides before it compiles: where the cached
+        # table rules speculation out, it never builds a speculative executable.
+        monkeypatch.setattr(profile, "profile_cells", lambda *a, **k: pytest.fail("the cached table was profiled again"))
+        built = []
+        monkeypatch.setattr(engine_module, "compile_engines",
+                            lambda engines, progress=None, built=built:
+                            built.extend(x for e in engines for x, _ in e.executables()) or 0.0)
+        warm = Engine(*pair[:2], EngineConfig(**EC), drafter=pair[2],
+                      spec=SpeculativeConfig(mode="compact", cost_table="derive"))
+        assert isinstance(warm.worker, PlainWorker) is not speculates
+        assert built and any(label.startswith("dspark") for label in built) is speculates

@@ -142,6 +142,7 @@ class Engine:
         self.overlap = ec.overlap and self.worker.overlaps
         self.compile_seconds = 0.0
         if ec.precompile:  # (a lazily compiled engine calibrates on its first step)
+            self.calibrate(compile=False, cached_only=True)
             self.compile_seconds = self.compile_all()
             self.calibrate()
 
@@ -170,14 +171,16 @@ class Engine:
             raise ValueError("a speculative config needs draft_path")
         return cls(model, Tokenizer.from_folder(path), ec, drafter=drafter, spec=spec, devices=devices)
 
-    def calibrate(self, compile: bool | None = None) -> None:
+    def calibrate(self, compile: bool | None = None, cached_only: bool = False) -> None:
         """Let the worker measure this device once its executables exist (a DSpark engine asked to
         derive its cost table profiles its rounds in this loop).  When the measured table says no
         speculative round can beat a plain decode step at any batch size, even with every draft
         accepted, the engine drops the drafter and runs plain decode steps: the same tokens,
         without paying for drafts that cannot pay for themselves.  compile: build the plain
-        steps then (default: as the engine's precompile says)."""
-        self.worker.calibrate()
+        steps then (default: as the engine's precompile says).  cached_only: before compiling,
+        decide from a table an earlier start-up cached, if any (a warm start that serves plain
+        steps then never builds the speculative executables)."""
+        self.worker.calibrate(cached_only)
         pays = getattr(self.worker, "speculation_pays", None)
         if pays is None or pays():  # (several hosts share rank 0's table, so they all decide alike)
             return

@@ -48,8 +48,9 @@ class Worker:
         """(label, compile thunk) of every executable the worker runs, for start-up."""
         return []
 
-    def calibrate(self) -> None:
-        """Runs once the executables are compiled (e.g. to profile this device's step costs)."""
+    def calibrate(self, cached_only: bool = False) -> None:
+        """Runs once the executables are compiled (e.g. to profile this device's step costs);
+        cached_only: before compiling, with only what an earlier start-up cached."""
 
     def prefill(self, chunks: list[tuple[Request, int]]) -> tuple[jax.Array, TokenLogprobs | None]:
         """Dispatch a prefill of prompt chunks; returns each chunk's sampled next token and, where

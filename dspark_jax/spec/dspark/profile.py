@@ -129,9 +129,11 @@ def _cache_key(worker, context: int) -> str:
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-def derive_cost_table(worker, cache_dir: str | Path | None = None) -> AdditiveCostTable:
+def derive_cost_table(worker, cache_dir: str | Path | None = None, measure: bool = True) -> AdditiveCostTable | None:
     """This device's table for the worker's engine: read from the cache, else profiled over every
     batch-size bucket at a context of a quarter of the model length (at most 256) and fitted.
+    measure=False: the cached table or None (it needs no executable, so a start-up can read it
+    before compiling anything).
 
     Over several hosts every process must schedule alike, so all of them take rank 0's table:
     rank 0's cached one, else one profiled on every host at once (the profile's steps are
@@ -145,7 +147,7 @@ def derive_cost_table(worker, cache_dir: str | Path | None = None) -> AdditiveCo
     hosts = jax.process_count() > 1
     if hosts:
         table = _rank0_table(table)
-    if table is not None:
+    if table is not None or not measure:
         return table
     t0 = time.perf_counter()
     report = lambda done, total: log.info("profiling step costs: %d/%d cells", done, total)

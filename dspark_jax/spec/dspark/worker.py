@@ -156,15 +156,19 @@ class DSparkWorker(DraftWorker):
         """Whether the cost table is still to be derived (Engine.calibrate)."""
         return self._derive_pending
 
-    def calibrate(self) -> None:
+    def calibrate(self, cached_only: bool = False) -> None:
         """Derive the cost table on this device when the config asks for it (spec.cost_table
         "derive"): profile rounds in the engine's loop, then schedule with the fit.  The
-        profiling rounds leave no trace in the statistics."""
+        profiling rounds leave no trace in the statistics.  cached_only: take a cached table if
+        there is one, else leave the derivation pending."""
         if self._derive_pending:
             from dspark_jax.spec.dspark.profile import derive_cost_table
 
             self._derive_pending = False  # (the profile steps the engine, which would calibrate again)
-            table = derive_cost_table(self)
+            table = derive_cost_table(self, measure=not cached_only)
+            if table is None:
+                self._derive_pending = True
+                return
             self.new_stats("predicted_step_s", "measured_step_s", "round_log")
             if self.confidence_metrics is not None:
                 self.confidence_metrics = ConfidenceMetricsAccumulator(self.gamma)
