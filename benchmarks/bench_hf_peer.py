@@ -95,6 +95,30 @@ def first_divergence(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def report(args, rows: list[dict], num_prompts: int) -> str:
+    """Write the rows so far (JSON + markdown); returns the markdown."""
+    import torch
+    import transformers
+
+    env = environment()
+    env.update(torch=torch.__version__, transformers=transformers.__version__)
+    md = [f"# transformers vs dspark-jax on the {args.shape}-shaped expanded pair ({env['device']}, jax {env['jax']}, "
+          f"torch {env['torch']}, transformers {env['transformers']}, {env['date']}, commit {env['commit']})\n",
+          f"Greedy, {args.max_new_tokens} new tokens, {num_prompts} held-out prompts (math, code, verse) in batches; "
+          "tok/s = generated tokens / wall of the generate calls (prefill included, after a warm-up); same = "
+          "requests whose greedy tokens equal transformers' (else the token index where each first differs).\n",
+          "| batch | HF tok/s | plain tok/s | x HF | DSpark tok/s | x HF | same as HF (plain / DSpark) | first differing token (plain / DSpark) |",
+          "|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        md.append(f"| {r['batch']} | {r['hf_tok_s']:.1f} | {r['plain_tok_s']:.1f} | {r['plain_over_hf']:.2f} | "
+                  f"{r['dspark_tok_s']:.1f} | {r['dspark_over_hf']:.2f} | {r['plain_same_as_hf']} / "
+                  f"{r['dspark_same_as_hf']} of {r['requests']} | {r['plain_first_divergence']} / "
+                  f"{r['dspark_first_divergence']} |")
+    text = "\n".join(md) + "\n"
+    write_results(f"hf_peer_{args.shape}{args.tag}", {"env": env, "rows": rows}, text, args.out_dir)
+    return text
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-8b")
@@ -148,25 +172,7 @@ def main(argv=None) -> int:
             row[f"{name}_first_divergence"] = sorted(first_divergence(a, b) for a, b in zip(ids_all, hf_ids) if a != b)
         rows.append(row)
         print(row, flush=True)
-    env = environment()
-    import torch
-    import transformers
-
-    env.update(torch=torch.__version__, transformers=transformers.__version__)
-    md = [f"# transformers vs dspark-jax on the {args.shape}-shaped expanded pair ({env['device']}, jax {env['jax']}, "
-          f"torch {env['torch']}, transformers {env['transformers']}, {env['date']}, commit {env['commit']})\n",
-          f"Greedy, {args.max_new_tokens} new tokens, {len(prompts)} held-out prompts (math, code, verse) in batches; "
-          "tok/s = generated tokens / wall of the generate calls (prefill included, after a warm-up); same = "
-          "requests whose greedy tokens equal transformers' (else the token index where each first differs).\n",
-          "| batch | HF tok/s | plain tok/s | x HF | DSpark tok/s | x HF | same as HF (plain / DSpark) | first differing token (plain / DSpark) |",
-          "|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        md.append(f"| {r['batch']} | {r['hf_tok_s']:.1f} | {r['plain_tok_s']:.1f} | {r['plain_over_hf']:.2f} | "
-                  f"{r['dspark_tok_s']:.1f} | {r['dspark_over_hf']:.2f} | {r['plain_same_as_hf']} / "
-                  f"{r['dspark_same_as_hf']} of {r['requests']} | {r['plain_first_divergence']} / "
-                  f"{r['dspark_first_divergence']} |")
-    write_results(f"hf_peer_{args.shape}{args.tag}", {"env": env, "rows": rows}, "\n".join(md) + "\n", args.out_dir)
-    print("\n".join(md))
+        print(report(args, rows, len(prompts)), flush=True)  # after every batch: a cut-short run keeps its rows
     return 0
 
 
