@@ -70,11 +70,17 @@ class CompileProgress:
     executable either way."""
 
     def __init__(self, engine, bar: bool):
-        kinds = collections.Counter(" ".join(w for w in label.split() if "=" not in w)
-                                    for label, _ in engine.executables())
-        self.what = ", ".join(f"{n} {k}" for k, n in kinds.items())
+        self.engine = engine
         self.use_bar = bar
         self.bar = None
+
+    @property
+    def what(self) -> str:
+        """The engine's executables by kind, as its worker runs them now (read when compiling
+        starts: a cached cost table may have ruled the speculative steps out)."""
+        kinds = collections.Counter(" ".join(w for w in label.split() if "=" not in w)
+                                    for label, _ in self.engine.executables())
+        return ", ".join(f"{n} {k}" for k, n in kinds.items())
 
     def __call__(self, done: int, total: int, label: str | None) -> None:
         if done == 0:
@@ -97,10 +103,7 @@ def build_engine(args: ServerArgs):
     compact) its cost table derived or read from the cache."""
     if not args.precompile:
         return args.build_engine()
-    from dspark_jax.engine.engine import compile_engines
-
-    engine = dataclasses.replace(args, precompile=False).build_engine()  # compiled here instead
-    engine.calibrate(compile=False, cached_only=True)  # a cached table may rule out the speculative steps
+    engine = dataclasses.replace(args, precompile=False).build_engine()  # prepared here instead
     bar = sys.stderr.isatty() and log.isEnabledFor(logging.INFO)
     progress = CompileProgress(engine, bar)
     redirect = contextlib.nullcontext()
@@ -108,11 +111,8 @@ def build_engine(args: ServerArgs):
         from tqdm.contrib.logging import logging_redirect_tqdm
 
         redirect = logging_redirect_tqdm()  # log lines above the bar, not through it
-    with redirect:
-        engine.compile_seconds = compile_engines([engine], progress)
-    # A compact DSpark engine: its cost table, profiled once per device and cached; plain decode
-    # steps where that table says no speculative round pays.
-    engine.calibrate(compile=True)
+    with redirect:  # (a compact DSpark engine also derives or reads its cost table here)
+        engine.prepare(progress)
     return engine
 
 

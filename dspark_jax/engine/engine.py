@@ -142,9 +142,7 @@ class Engine:
         self.overlap = ec.overlap and self.worker.overlaps
         self.compile_seconds = 0.0
         if ec.precompile:  # (a lazily compiled engine calibrates on its first step)
-            self.calibrate(compile=False, cached_only=True)
-            self.compile_seconds = self.compile_all()
-            self.calibrate()
+            self.prepare()
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None, spec=None, *,
@@ -170,6 +168,14 @@ class Engine:
         elif spec is not None:
             raise ValueError("a speculative config needs draft_path")
         return cls(model, Tokenizer.from_folder(path), ec, drafter=drafter, spec=spec, devices=devices)
+
+    def prepare(self, progress=None) -> None:
+        """Start-up: read a cached cost table first (it may rule the speculative steps out before
+        any of them compiles), compile every executable the worker then runs (progress: as in
+        compile_engines), then let the worker measure this device."""
+        self.calibrate(compile=False, cached_only=True)
+        self.compile_seconds = compile_engines([self], progress)
+        self.calibrate(compile=True)
 
     def calibrate(self, compile: bool | None = None, cached_only: bool = False) -> None:
         """Let the worker measure this device once its executables exist (a DSpark engine asked to
