@@ -143,11 +143,12 @@ def run_cell(engines: dict, groups, max_new: int, repeats: int, sampling=(0.0, 0
             cell["per_user_tok_s"] = float(np.mean(per_user))
         spec = [r.stats["spec"] for r in res if "spec" in r.stats]
         if spec:
-            acc = np.concatenate([s["accept_lens"] for s in spec])
-            cell["accept_length"] = float(acc.mean())
-            cell["window"] = float(np.mean([s["window"] for s in spec]))
-            cell["block_accept_length"] = float(np.mean([s["block_accept_length"] for s in spec]))
-            cell["utilization"] = cell["accept_length"] / cell["block_accept_length"]
+            # per request, in prompt order, summed over its rounds: accepted, rounds, window, block accept
+            sums = [(float(np.sum(s["accept_lens"])), len(s["accept_lens"]), s["window"] * len(s["accept_lens"]),
+                     s["block_accept_length"] * len(s["accept_lens"])) for s in spec]
+            cell.update(round_means(sums))
+            if len(spec) == len(res):
+                cell["request_spec"] = sums
         stats = getattr(engines[a], "stats", None)
         if stats is not None and stats.get("round_log"):
             # Round periods at the cell's full batch, overlapped (the steady serving loop) and
@@ -178,9 +179,9 @@ def run_cell(engines: dict, groups, max_new: int, repeats: int, sampling=(0.0, 0
     return cells
 
 
-def load_prompts(args, tokenizer) -> dict[str, list[str]]:
+def load_prompts(args, tokenizer) -> tuple[dict[str, list[str]], list[str]]:
     """Prompts per workload (at most --max-prompt-tokens long), plus "mixed": every workload's
-    interleaved, so a batch holds all of them at once."""
+    interleaved, so a batch holds all of them at once; and the workload of each mixed prompt."""
     by_workload: dict[str, list[str]] = {}
     if args.corpus is not None:
         from training.drafter.selfdistill import SelfDistillConfig, select_prompts
@@ -198,9 +199,29 @@ def load_prompts(args, tokenizer) -> dict[str, list[str]]:
         if len(tokenizer.encode(rec["prompt"])) <= args.max_prompt_tokens:
             by_workload.setdefault(rec["workload"], []).append(rec["prompt"])
     if "mixed" in args.workloads:
-        groups = [by_workload[w] for w in sorted(by_workload)]
-        by_workload["mixed"] = [p for row in zip(*groups) for p in row]
-    return {w: ps for w, ps in by_workload.items() if w in args.workloads}
+        names = sorted(by_workload)
+        by_workload["mixed"] = [p for row in zip(*(by_workload[w] for w in names)) for p in row]
+        mixed_labels = [w for _ in range(len(by_workload["mixed"]) // len(names)) for w in names]
+    else:
+        mixed_labels = []
+    return {w: ps for w, ps in by_workload.items() if w in args.workloads}, mixed_labels
+
+
+def round_means(sums: list[tuple]) -> dict:
+    """Accept length, verify window, block accept length and utilization (accepted over what the
+    whole block would have accepted) per round, from per-request sums (accepted, rounds, window,
+    block accept): every round weighs the same, whichever request it belongs to."""
+    accepted, rounds, window, block = (float(sum(x)) for x in zip(*sums))
+    return {"accept_length": accepted / rounds, "window": window / rounds, "block_accept_length": block / rounds,
+            "utilization": accepted / block if block else float("nan")}
+
+
+def by_workload_stats(request_spec: list[tuple], labels: list[str]) -> dict:
+    """round_means per workload of a mixed cell's requests (request_spec: run_cell's per-request
+    sums, in prompt order): SGLang's per-workload windows and utilization under mixed traffic."""
+    return {w: {"requests": sum(lab == w for lab in labels[: len(request_spec)]),
+                **round_means([s for s, lab in zip(request_spec, labels) if lab == w])}
+            for w in sorted(set(labels[: len(request_spec)]))}
 
 
 def main(argv=None):
@@ -255,7 +276,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     pair = load_pair(args.pair, args.dtype)
     print(f"pair {args.pair} ready in {time.perf_counter() - t0:.0f} s", flush=True)
-    by_workload = load_prompts(args, pair.tokenizer)
+    by_workload, mixed_labels = load_prompts(args, pair.tokenizer)
     R = max(args.batch_sizes)
     max_len = args.max_prompt_tokens + args.max_new_tokens + 64
     ec = EngineConfig(max_running_requests=R, max_model_len=max_len, precompile=False,
@@ -287,9 +308,12 @@ def main(argv=None):
             cells = run_cell(engines, groups, args.max_new_tokens, args.repeats,
                              (args.temperature, args.top_k, args.top_p), warmups=args.warmup_passes)
             for arm, cell in cells.items():
+                request_spec = cell.pop("request_spec", None)
+                if workload == "mixed" and request_spec:
+                    cell["by_workload"] = by_workload_stats(request_spec, mixed_labels)
                 rows.append({"arm": arm, "workload": workload, "batch": bs, **cell})
                 print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()
-                       if k not in ("outputs", "wall_s_passes", "step_rounds", "step_prediction")}, flush=True)
+                       if k not in ("outputs", "wall_s_passes", "step_rounds", "step_prediction", "by_workload")}, flush=True)
             report(args, env, rows)  # after every cell: a run cut short keeps what it measured
     tables = {a: e.worker.scheduler.cost_table.to_dict() for a, e in engines.items()
               if getattr(getattr(e.worker, "scheduler", None), "cost_table", None) is not None}

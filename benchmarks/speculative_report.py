@@ -79,6 +79,16 @@ def report(args, env, rows: list[dict]) -> None:
                "the median per-round error beside its jitter floor (an oracle predicting each round by the median "
                "measured time of its batch-size bucket and regime; benchmarks/step_prediction.py).", "",
                *prediction_markdown(predictions)]
+    mixed = [r for r in rows if r.get("by_workload")]
+    if mixed:
+        md += ["", "Mixed traffic by workload: accept length, mean verify window and utilization of each "
+               "workload's requests within the mixed stream (SGLang's blog: windows 5.24 / 3.78 / 2.91 and "
+               "utilization 0.88-0.97 for its three workloads).", "",
+               "| batch | arm | workload | requests | accept | window | util |", "|---:|---|---|---:|---:|---:|---:|"]
+        for r in sorted(mixed, key=lambda r: (r["batch"], ARMS.index(parse_arm(r["arm"]).base), r["arm"])):
+            for w, s in r["by_workload"].items():
+                md.append(f"| {r['batch']} | {r['arm']} | {w} | {s['requests']} | {s['accept_length']:.2f} | "
+                          f"{s['window']:.2f} | {s['utilization']:.2f} |")
     name = f"speculative_{args.pair}_{env['platform']}{args.tag}"
     for p in write_results(name, payload, "\n".join(md) + "\n", args.out_dir):
         print("wrote", p)

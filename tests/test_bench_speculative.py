@@ -117,3 +117,24 @@ def test_arm_names_carry_rounds_per_dispatch():
     for bad in ("static@0", "none@2", "mtp@2", "static@x", "dynamic", "static:a8"):
         with pytest.raises(ValueError):
             parse_arm(bad)
+
+
+def test_mixed_traffic_statistics_per_workload_weigh_every_round_alike():
+    # two code requests (4 rounds accepting 3 each; 1 round accepting 1) and one math request
+    # (2 rounds accepting 8): sums (accepted, rounds, window, block accept)
+    from benchmarks.bench_speculative import by_workload_stats, round_means
+
+    code_a = (12.0, 4, 4 * 6.0, 4 * 3.0)
+    code_b = (1.0, 1, 1 * 8.0, 1 * 2.0)
+    math = (16.0, 2, 2 * 8.0, 2 * 8.0)
+    stats = by_workload_stats([code_a, math, code_b], ["code", "math", "code", "verse"])
+    assert set(stats) == {"code", "math"}  # labels past the requests are ignored
+    # code: 13 accepted over 5 rounds; windows (24 + 8) / 5; block accepts 14: utilization 13 / 14
+    assert stats["code"]["requests"] == 2
+    assert stats["code"]["accept_length"] == pytest.approx(13 / 5)
+    assert stats["code"]["window"] == pytest.approx(32 / 5)
+    assert stats["code"]["utilization"] == pytest.approx(13 / 14)
+    assert stats["math"]["accept_length"] == pytest.approx(8.0) and stats["math"]["utilization"] == pytest.approx(1.0)
+    # the whole cell: 29 accepted over 7 rounds, block accepts 30
+    overall = round_means([code_a, math, code_b])
+    assert overall["accept_length"] == pytest.approx(29 / 7) and overall["utilization"] == pytest.approx(29 / 30)
