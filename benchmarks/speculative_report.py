@@ -41,7 +41,7 @@ def report(args, env, rows: list[dict]) -> None:
           f"Temperature {args.temperature:g}" + (f" (top-k {args.top_k}, top-p {args.top_p:g}; no token "
                                                    "comparison: sampled outputs follow the target's law, not "
                                                    "the plain engine's draws)" if args.temperature > 0 else "") +
-          f", {args.max_new_tokens} new tokens per request, prompts from {args.prompts or args.corpus}; batch 1 = "
+          f", {args.max_new_tokens} new tokens per request, prompts from {args.corpus or args.prompts}; batch 1 = "
           f"{args.single_prompts} prompts one after another; batch b > 1 = {args.waves} x b prompts, at most b "
           "running at once (requests: how many the workload had). tok/s = generated tokens / wall time (prefill "
           f"included), median of {args.repeats} passes with the arms interleaved; x none = ratio to the plain "
