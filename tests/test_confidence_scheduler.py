@@ -463,7 +463,7 @@ def test_plan_step_record():
     assert rec.batch_size == rows and 0 <= rec.budget <= rows * GAMMA
     assert int(np.sum(rec.verify_lens - 1)) == rec.budget
     assert rec.predicted_step_seconds == pytest.approx(table.predict(rows, rec.budget))
-    # (Its speed at R = 256 is a benchmark's business: benchmarks/profile_host_round.py.)
+    # (Its speed at R = 256 is a benchmark's business.)
 
 
 def test_host_modules_do_not_import_jax():
