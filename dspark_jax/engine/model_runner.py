@@ -37,15 +37,44 @@ DEFAULT_CACHE_DIR = Path(os.environ.get("DSPARK_JAX_CACHE", Path.home() / ".cach
 
 
 def enable_compilation_cache(path: str | Path | None = None) -> None:
-    """Turn on JAX's persistent compilation cache (every executable, however quick to compile)."""
+    """Turn on JAX's persistent compilation cache (every executable, however quick to compile),
+    after removing what an interrupted write left in it (repair_compilation_cache)."""
     path = Path(path or DEFAULT_CACHE_DIR)
     path.mkdir(parents=True, exist_ok=True)
+    if str(path) not in _REPAIRED:
+        _REPAIRED.add(str(path))
+        removed = repair_compilation_cache(path)
+        if removed:
+            log.warning("removed %d incomplete entries from the compilation cache %s", removed, path)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     # A size bound turns on JAX's file lock: without it, a process can read an entry another
     # process (a second server, a test worker) is still writing.
     jax.config.update("jax_compilation_cache_max_size", 32 * 2**30)
+
+
+_REPAIRED: set[str] = set()  # cache folders this process has checked
+
+
+def repair_compilation_cache(path: Path) -> int:
+    """Delete entries whose write never finished; returns how many.  JAX writes an entry's
+    executable, then its access time, under the cache's file lock; a process killed in between
+    (a timeout, an OOM kill) leaves an executable without an access time, possibly truncated.
+    JAX's size check reads every entry's access time, so from then on every write to the cache
+    fails and every start compiles from scratch; reading a truncated executable can abort the
+    process.  Done under JAX's own lock, so no write in progress elsewhere is mistaken for one."""
+    import filelock
+
+    try:
+        with filelock.FileLock(path / ".lockfile", timeout=10):
+            orphans = [p for p in path.glob("*-cache") if not p.with_name(p.name[: -len("-cache")] + "-atime").exists()]
+            for p in orphans:
+                p.unlink(missing_ok=True)
+    except filelock.Timeout:
+        log.warning("the compilation cache %s stayed locked; not checked for incomplete entries", path)
+        return 0
+    return len(orphans)
 
 
 def round_up(value: int, buckets: list[int]) -> int:
