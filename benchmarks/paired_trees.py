@@ -109,7 +109,7 @@ def main(argv=None):
     assets = before / "dspark_jax" / "assets"
     if not assets.exists():
         assets.symlink_to(ROOT / "dspark_jax" / "assets")
-    from benchmarks.common import environment
+    from benchmarks.common import environment, write_results
 
     env = environment()
     args.out_dir = args.out_dir.resolve()
@@ -131,10 +131,10 @@ def main(argv=None):
               "both trees one after the other, the first alternating. tok/s: median over the rounds of each run's "
               "median pass; spread: max / min over the rounds (that tree's own noise); after / before: per round, "
               "then their median.")
-    (args.out_dir / f"{args.name}.json").write_text(json.dumps({"env": env, "before": args.before_commit,
-                                                                 "bench_args": bench_args, "cells": cells, "runs": runs}))
-    (args.out_dir / f"{args.name}.md").write_text(markdown(cells, header))
-    print(markdown(cells, header))
+    md = markdown(cells, header)
+    write_results(args.name, {"env": env, "before": args.before_commit, "bench_args": bench_args, "cells": cells,
+                              "runs": runs}, md, [args.out_dir])
+    print(md)
 
 
 if __name__ == "__main__":
