@@ -8,8 +8,10 @@ step's output.  The persistent compilation cache makes restarts cheap.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -32,6 +34,13 @@ log = logging.getLogger(__name__)
 # only small temporaries (benchmarks/step_memory.py shows both).  A serving step has nothing to
 # rematerialize: its memory is the weights and the caches.
 GPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
+
+# XLA:CPU has crashed a process (an abort in deserialize_executable, a segfault in
+# serialize_executable) when two threads of it read or wrote the persistent compilation cache at
+# once, as start-up's parallel compile does.  On the CPU one compile at a time per process; GPU
+# start-up keeps its parallel compile (it has never crashed there, and it is where start-up time
+# matters).
+_CPU_COMPILE_LOCK = threading.Lock()
 
 DEFAULT_CACHE_DIR = Path(os.environ.get("DSPARK_JAX_CACHE", Path.home() / ".cache" / "dspark_jax")) / "xla"
 
@@ -133,8 +142,8 @@ class ModelRunner:
         self.backend = resolve_backend(kernels)
         self.norm_backend = resolve_norm_backend(kernels, self.config.hidden_size)
         self.kv_write_backend = resolve_kv_write_backend(kernels, self.config.head_dim)
-        platform = (parallel.device if parallel is not None else jax.devices()[0]).platform
-        self.compiler_options = dict(GPU_COMPILER_OPTIONS) if platform == "gpu" else {}
+        self.platform = (parallel.device if parallel is not None else jax.devices()[0]).platform
+        self.compiler_options = dict(GPU_COMPILER_OPTIONS) if self.platform == "gpu" else {}
         # (start, end) of every compile since the last call to take_compile_spans()
         self._compile_spans: list[tuple[float, float]] = []
 
@@ -149,7 +158,8 @@ class ModelRunner:
     def compile(self, lowered) -> jax.stages.Compiled:
         """Compile, noting when: time spent compiling on first use is kept out of measured rounds."""
         t0 = time.perf_counter()
-        compiled = lowered.compile(compiler_options=self.compiler_options or None)
+        with _CPU_COMPILE_LOCK if self.platform == "cpu" else contextlib.nullcontext():
+            compiled = lowered.compile(compiler_options=self.compiler_options or None)
         self._compile_spans.append((t0, time.perf_counter()))
         return compiled
 
