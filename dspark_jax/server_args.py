@@ -156,8 +156,9 @@ class ServerArgs:
             _check_block_size(draft, self.block_size)
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("--nnodes > 1 needs --dist-init-addr (host:port of rank 0)")
-        if self.nnodes > 1 and self.dp_size > 1:
-            raise ValueError("--dp-size > 1 with --nnodes > 1 is not supported: one engine spans the hosts")
+        if self.nnodes > 1 and self.dp_size > 1 and self.dp_size % self.nnodes:
+            raise ValueError(f"--dp-size {self.dp_size} over --nnodes {self.nnodes}: every host holds the same number "
+                             "of replicas, so --dp-size must be a multiple of --nnodes")
         if not 0 <= self.node_rank < max(self.nnodes, 1):
             raise ValueError(f"--node-rank must be in [0, --nnodes {self.nnodes}), got {self.node_rank}")
         for flag, value, low in (("--tp-size", self.tp_size, 1), ("--dp-size", self.dp_size, 1),
@@ -230,15 +231,33 @@ class ServerArgs:
         return Engine.from_pretrained(self.model_path, self.engine_config(), spec,
                                       draft_path=self.draft_model_path if spec is not None else None)
 
-    def build_engines(self) -> list:
+    def build_host_replicas(self) -> dict:
+        """Several hosts with dp_size > 1: this host's replicas, {replica index: engine}
+        (dspark_jax.parallel.host_replicas).  Each derives its cost table now: every host takes
+        rank 0's table, one broadcast per replica, so the hosts must derive in the same order
+        (a table derived lazily, at a replica's first request, would leave them unpaired)."""
+        import jax
+
+        from dspark_jax.parallel.mesh import host_replica_groups
+
+        groups = host_replica_groups(self.tp_size, self.dp_size)
+        mine = [r for r, g in enumerate(groups) if g[0].process_index == jax.process_index()]
+        engines = self.build_engines([groups[r] for r in mine])
+        if not self.precompile:
+            for e in engines:
+                e.calibrate(compile=False)
+        return dict(zip(mine, engines))
+
+    def build_engines(self, groups: list | None = None) -> list:
         """The dp_size engine replicas these (resolved) args describe, each on its own tp_size
-        devices (replica r on devices [r * tp, (r + 1) * tp)); the model is read once."""
-        if self.dp_size == 1:
+        devices (replica r on devices [r * tp, (r + 1) * tp)), or one on each device group given;
+        the model is read once."""
+        if self.dp_size == 1 and groups is None:
             return [self.build_engine()]
         from dspark_jax.engine.engine import Engine, compile_engines
         from dspark_jax.parallel.mesh import replica_device_groups
 
-        groups = replica_device_groups(self.tp_size, self.dp_size)
+        groups = groups if groups is not None else replica_device_groups(self.tp_size, self.dp_size)
         ec = dataclasses.replace(self.engine_config(), precompile=False)
         if self.tp_size > 1 and not self.model_path.startswith(EXPAND_PREFIX):
             # each replica reads the checkpoint straight into its own shards

@@ -137,8 +137,9 @@ def create_app(engine, cfg: ServerConfig | None = None, *,
             "draining": state.draining, "uptime_s": time.time() - state.started, "pid": os.getpid(),
             "memory_usage": {"token_capacity": snap["token_capacity"], "kv_used_pages": snap["kv_used_pages"],
                              "kv_free_pages": snap["kv_free_pages"], "kv_total_pages": snap["kv_total_pages"]},
-            "tp_size": ec.tp_size, "dp_size": len(loops),
-            "internal_states": [{**dict(lp.snapshot), "avg_spec_accept_length": avg_acc(lp.engine),
+            "tp_size": ec.tp_size, "dp_size": getattr(engine, "num_replicas", len(loops)),
+            "internal_states": engine.replica_states() if hasattr(engine, "replica_states") else  # over hosts
+                               [{**dict(lp.snapshot), "avg_spec_accept_length": avg_acc(lp.engine),
                                  **({"replica": i, **parallel(lp.engine)} if len(loops) > 1 else {})}
                                 for i, lp in enumerate(loops)],
             **cfg.extra,

@@ -149,12 +149,25 @@ def main(argv=None) -> int:
 
     log.info("loading %s (%s) on %s (tp %d, dp %d)", args.model_path, args.speculative_algorithm, jax.devices()[0],
              args.tp_size, args.dp_size)
+    host_replicas = args.nnodes > 1 and args.dp_size > 1
     try:
-        engines = [build_engine(args)] if args.dp_size == 1 else args.build_engines()
+        if host_replicas:  # this host's replicas of dp_size spread over the hosts
+            replicas = args.build_host_replicas()
+            engines = list(replicas.values())
+        else:
+            engines = [build_engine(args)] if args.dp_size == 1 else args.build_engines()
     except (ValueError, OSError, DsparkError) as e:
         ap.error(str(e))
     engine = engines[0]
-    if args.nnodes > 1:  # one engine over every host: rank 0 serves and leads, the others follow
+    if host_replicas:  # rank 0 serves and routes to every host's replicas; the others follow
+        from dspark_jax.parallel.host_replicas import HostReplicas, follow_replicas
+
+        if args.node_rank != 0:
+            log.info("rank %d running replicas %s under rank 0", args.node_rank, sorted(replicas))
+            follow_replicas(replicas)
+            return 0
+        engines = [engine := HostReplicas(replicas, args.dp_size)]
+    elif args.nnodes > 1:  # one engine over every host: rank 0 serves and leads, the others follow
         from dspark_jax.parallel.multihost import LeaderEngine, follow
 
         if args.node_rank != 0:

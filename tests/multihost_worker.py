@@ -1,8 +1,9 @@
 """One process of the two-process tests (tests/test_parallel.py, tests/test_multihost_args.py):
 joins the other over localhost (gloo), builds a TP 2 engine spanning both processes' CPU devices
 and writes rank 0's tokens as JSON.  Usage: python tests/multihost_worker.py RANK PORT OUT_JSON
-[check-args | derive-table] (instead, each rank writing OUT_JSON.RANK: check-args, the cross-rank
-engine-argument check; derive-table, a compact engine deriving its cost table on both ranks).
+[check-args | derive-table | host-replicas] (instead, each rank writing OUT_JSON.RANK: check-args,
+the cross-rank engine-argument check; derive-table, a compact engine deriving its cost table on
+both ranks; host-replicas, two TP 2 replicas, one per process, rank 0 fronting both).
 ``run_two_ranks`` starts both ranks from a test."""
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_two_ranks(out: Path, *extra: str, timeout: float = 900) -> None:
-    """Run this script as ranks 0 and 1 on a free localhost port, one CPU device each; fails the
-    calling test with both logs unless both exit 0."""
+def run_two_ranks(out: Path, *extra: str, timeout: float = 900, devices: int = 1) -> None:
+    """Run this script as ranks 0 and 1 on a free localhost port, ``devices`` CPU devices each;
+    fails the calling test with both logs unless both exit 0."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if devices > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(out), *extra], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
@@ -123,9 +126,66 @@ def derive_table(rank: int, port: int, out: str) -> None:
                                                  "tokens": tokens}))
 
 
+def host_replicas(rank: int, port: int, out: str) -> None:
+    """Two TP 2 replicas, one on each process's two devices, rank 0 fronting both (HostReplicas)
+    and rank 1 following: plain and DSpark compact, greedy, seeded and with logprobs, and one
+    request aborted mid-way.  Each rank writes what rank 0 got and the request ids its own replica
+    was given."""
+    from dspark_jax.parallel.multihost import initialize
+
+    initialize(2, rank, f"127.0.0.1:{port}")
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    from dspark_jax.engine import Engine, EngineConfig
+    from dspark_jax.parallel.host_replicas import HostReplicas, follow_replicas
+    from dspark_jax.parallel.mesh import host_replica_groups
+    from dspark_jax.sampling import SamplingParams
+    from dspark_jax.spec.config import SpeculativeConfig
+    from tests.test_mtp_engine import scaled_target
+    from tests.test_parallel import EC, GREEDY, SEEDED, V, _prompts
+    from tests.test_speculative_engine import TABLE, repeat_biased_drafter
+
+    assert jax.process_count() == 2 and jax.local_device_count() == 2
+    groups = host_replica_groups(2, 2)
+    mine = {r: g for r, g in enumerate(groups) if g[0].process_index == rank}
+    assert list(mine) == [rank] and all(d.process_index == rank for d in mine[rank])
+    target = scaled_target(vocab=V, attention_bias=True)
+    arms = {"plain": {}, "compact": dict(drafter=repeat_biased_drafter(target),
+                                         spec=SpeculativeConfig(mode="compact", cost_table=TABLE))}
+    prompts, logprobs = _prompts(), SamplingParams(max_new_tokens=6, logprobs=3, ignore_eos=True)
+    result = {}
+    for name, kw in arms.items():
+        engines = {r: Engine(target, None, EngineConfig(**EC, tp_size=2), devices=g, **kw) for r, g in mine.items()}
+        added = result[name + "_added"] = []
+        for e in engines.values():
+            real = e.add_request
+            e.add_request = lambda *a, _real=real, _to=added, **k: _to.append(k["request_id"]) or _real(*a, **k)
+        if rank != 0:
+            follow_replicas(engines)
+            continue
+        front = HostReplicas(engines, 2)
+        result[name] = [r.token_ids for r in front.generate(prompts, GREEDY)]
+        long = front.add_request(prompts[0], SamplingParams(max_new_tokens=60, ignore_eos=True))
+        while not front.get_request(long).output_ids:
+            front.step()
+        req = front.get_request(long)
+        front.abort(long)
+        result[name + "_aborted"] = [req.finish_reason, len(req.output_ids)]
+        result[name + "_seeded"] = [r.token_ids for r in front.generate(prompts[:2], SEEDED)]
+        lp = front.generate(prompts[:2], logprobs)
+        result[name + "_logprobs"] = [[r.token_ids, r.logprobs, r.top_logprobs] for r in lp]
+        for _ in range(2):  # ticks that carry the abort and report the loads
+            front.step()
+        result[name + "_states"] = front.replica_states()
+        result[name + "_summary"] = front.summary()
+        front.close()
+    Path(f"{out}.{rank}").write_text(json.dumps(result))
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ.pop("XLA_FLAGS", None)  # one CPU device per process
-    mode = {"check-args": check_args, "derive-table": derive_table}.get(sys.argv[4] if sys.argv[4:] else "", main)
+    modes = {"check-args": check_args, "derive-table": derive_table, "host-replicas": host_replicas}
+    mode = modes.get(sys.argv[4] if sys.argv[4:] else "", main)
     mode(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

@@ -47,6 +47,7 @@ GROUPS = {
                "test_nothing_compiles_after_start_up", "test_cost_table_key_names_the_parallel_configuration"],
     "processors-mtp": ["test_logit_processors_and_logprobs_match_single_device", "test_mtp_commits_single_device_tokens"],
     "processes": ["test_tp2_engine_across_two_processes_commits_the_single_process_tokens"],
+    "replicas": ["test_tp2_dp2_replicas_commit_single_device_tokens_in_every_arm"],
 }
 
 
@@ -412,6 +413,52 @@ def test_server_tp2_dp2_answers_like_the_single_device_server(tmp_path_factory):
     assert samples[("dspark:requests_total", (("finish_reason", "length"),))] == len(prompts)
 
 
+@needs_devices
+def test_tp2_dp2_replicas_commit_single_device_tokens_in_every_arm(target, dspark_drafter):
+    """Two TP 2 replicas behind the server's router (its engine threads, no HTTP): plain, DSpark
+    static / compact / cap-accept and MTP commit the single-device engine's tokens, greedy and
+    seeded, and both replicas serve."""
+    import asyncio
+
+    from dspark_jax.parallel.mesh import replica_device_groups
+    from serving.replicas import ReplicaRouter
+    from tests.test_mtp_engine import repeat_drafter
+    from tests.test_speculative_engine import TABLE
+
+    prompts = _prompts(6, seed=9)
+    params = [GREEDY] * 4 + SEEDED
+    arms = {"plain": {}, "mtp": dict(drafter=repeat_drafter(target), spec=SpeculativeConfig(algorithm="mtp", num_steps=3))}
+    arms.update({mode: dict(drafter=dspark_drafter, spec=SpeculativeConfig(mode=mode, cost_table=TABLE if mode != "static"
+                                                                            else None))
+                 for mode in ("static", "compact", "cap-accept")})
+
+    async def serve(router):
+        loop = asyncio.get_running_loop()
+        streams = [router.submit(p, sp, loop) for p, sp in zip(prompts, params)]
+        done = {}
+        for s in streams:
+            while s.id not in done:
+                _, event = await s.queue.get()
+                if event[0] == "error":
+                    raise event[1]
+                if event[0] == "done":
+                    done[s.id] = event[1].token_ids
+        return [done[s.id] for s in streams], {router.replica_of(s.id) for s in streams}
+
+    for name, kw in arms.items():
+        want = [r.token_ids for r in Engine(target, None, EngineConfig(**EC), **kw).generate(prompts, params)]
+        engines = [Engine(target, None, EngineConfig(**EC, tp_size=2), devices=g, **kw)
+                   for g in replica_device_groups(2, 2)]
+        router = ReplicaRouter(engines)
+        router.start()
+        try:
+            got, used = asyncio.run(serve(router))
+        finally:
+            router.stop()
+        assert got == want, name
+        assert used == {0, 1}, name
+
+
 def test_router_picks_the_least_loaded_replica():
     from serving.replicas import ReplicaRouter, combine_snapshots
 
@@ -507,7 +554,7 @@ def test_parallel_flags_are_checked_and_reach_the_engine_config():
     ec = ServerArgs(tp_size=2, dp_size=3, speculative_algorithm="NONE").resolve().engine_config()
     assert (ec.tp_size, ec.dp_size) == (2, 3)
     for kw, msg in ((dict(nnodes=2), "needs --dist-init-addr"), (dict(tp_size=0), "--tp-size must be >= 1"),
-                    (dict(nnodes=2, dist_init_addr="h:1", dp_size=2), "not supported"),
+                    (dict(nnodes=2, dist_init_addr="h:1", dp_size=3), "multiple of --nnodes"),
                     (dict(nnodes=2, node_rank=2, dist_init_addr="h:1"), "--node-rank must be in")):
         with pytest.raises(ValueError, match=msg):
             ServerArgs(**{"speculative_algorithm": "NONE", **kw}).resolve()

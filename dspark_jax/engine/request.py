@@ -122,6 +122,18 @@ class Request:
             self.top_logprobs += top
         return committed
 
+    def replay(self, ids, logprobs=None, top_logprobs=None, finish_reason: str | None = None) -> list[int]:
+        """Commit what another process's engine committed for this request (a data-parallel
+        replica on another host): the same ids, cut by the same stop rules, with that engine's
+        logprobs (lists, as GenerationResult holds them) and its end, if it ended."""
+        committed = self._append(list(map(int, ids))) if self.status is not Status.FINISHED else []
+        if self.logprobs is not None and committed and logprobs is not None:
+            self.logprobs += list(logprobs[:len(committed)])
+            self.top_logprobs += [[tuple(p) for p in row] for row in top_logprobs[:len(committed)]]
+        if finish_reason is not None:
+            self.finish(finish_reason)
+        return committed
+
     def _append(self, ids: list[int]) -> list[int]:
         if ids and self.t_first_token is None:
             self.t_first_token = time.perf_counter()

@@ -44,6 +44,25 @@ def replica_device_groups(tp_size: int, dp_size: int, devices=None) -> list[list
     return [avail[r * tp_size:(r + 1) * tp_size] for r in range(dp_size)]
 
 
+def host_replica_groups(tp_size: int, dp_size: int) -> list[list]:
+    """dp_size groups of tp_size devices over the processes of a multi-host run: the same number
+    on every host, each inside one host (tensor parallelism on a host's own links, data
+    parallelism across hosts); replica r on host r // (dp_size / hosts)."""
+    hosts = jax.process_count()
+    if not isinstance(dp_size, int) or dp_size < 1 or dp_size % hosts:
+        raise ValueError(f"dp_size {dp_size} over {hosts} hosts: every host holds the same number of replicas, "
+                         "so dp_size must be a multiple of the number of hosts")
+    per_host = dp_size // hosts
+    groups = []
+    for p in range(hosts):
+        local = [d for d in jax.devices() if d.process_index == p]
+        if per_host * tp_size > len(local):
+            raise ValueError(f"tp_size {tp_size} x {per_host} replica(s) per host needs {per_host * tp_size} devices on "
+                             f"every host, but host {p} has {len(local)} (with dp_size > 1 a replica stays on one host)")
+        groups += [local[i * tp_size:(i + 1) * tp_size] for i in range(per_host)]
+    return groups
+
+
 def tp_mesh(devices) -> Mesh:
     """The 1-D tensor-parallel mesh over ``devices``."""
     return Mesh(np.array(devices), (TP_AXIS,))

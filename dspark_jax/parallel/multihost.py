@@ -66,6 +66,34 @@ def broadcast_json(value):
     return value if leader else json.loads(bytes(np.asarray(buf)[:int(n[0])]).decode())
 
 
+def allgather_json(value) -> list:
+    """Every process's JSON-able value, in rank order, on every process."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    payload = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([payload.size], np.int32))).reshape(-1)
+    size = max(256, 1 << int(int(sizes.max()) - 1).bit_length())  # a few buffer sizes: a few compiles
+    buf = np.zeros(size, np.uint8)
+    buf[:payload.size] = payload
+    bufs = np.asarray(multihost_utils.process_allgather(buf)).reshape(jax.process_count(), size)
+    return [json.loads(bytes(bufs[r, :int(sizes[r])]).decode()) for r in range(jax.process_count())]
+
+
+def params_to_json(params: SamplingParams) -> dict:
+    """A request's SamplingParams as JSON (its compiled grammar left out: each process compiles
+    its own)."""
+    return dataclasses.asdict(dataclasses.replace(params, compiled_grammar=None))
+
+
+def params_from_json(d: dict) -> SamplingParams:
+    d = dict(d)
+    d["stop_token_ids"], d["stop"] = tuple(d["stop_token_ids"]), tuple(d["stop"])
+    if d.get("grammar") is not None:
+        d["grammar"] = tuple(d["grammar"])
+    return SamplingParams(**d)
+
+
 def check_same_engine_args(args: dict) -> None:
     """Raise on every process unless all were started with the same engine arguments (a JSON-able
     dict).  A rank whose engine differs would otherwise compile other steps and leave the rest
@@ -87,12 +115,6 @@ def check_same_engine_args(args: dict) -> None:
                          + ": start every node with the same flags but --node-rank")
 
 
-def _params(d: dict) -> SamplingParams:
-    d = dict(d)
-    d["stop_token_ids"], d["stop"] = tuple(d["stop_token_ids"]), tuple(d["stop"])
-    return SamplingParams(**d)
-
-
 class LeaderEngine:
     """Rank 0's engine: the Engine's interface, its requests replayed on every other rank."""
 
@@ -108,8 +130,8 @@ class LeaderEngine:
         rid = self._engine.add_request(prompt, params, request_id)
         req = self._engine.get_request(rid)
         # the followers draw no seeds of their own, and compile a grammar themselves
-        sent = dataclasses.replace(req.params, seed=req.seed, compiled_grammar=None)
-        self._pending.append(["add", list(map(int, req.prompt_ids)), dataclasses.asdict(sent), rid])
+        sent = dataclasses.replace(req.params, seed=req.seed)
+        self._pending.append(["add", list(map(int, req.prompt_ids)), params_to_json(sent), rid])
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -158,7 +180,7 @@ def follow(engine) -> int:
         for cmd in broadcast_json(None):
             kind = cmd[0]
             if kind == "add":
-                engine.add_request(cmd[1], _params(cmd[2]), request_id=cmd[3])
+                engine.add_request(cmd[1], params_from_json(cmd[2]), request_id=cmd[3])
             elif kind == "abort":
                 engine.abort(cmd[1])
             elif kind == "drain":
