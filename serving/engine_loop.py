@@ -335,3 +335,7 @@ class EngineLoop:
         self.snapshot = snap  # one atomic rebinding: readers see a whole dict
         if self.metrics:
             self.metrics.on_snapshot(snap)
+            per_replica = getattr(e, "replica_states", None)  # data-parallel replicas on several hosts
+            if per_replica is not None and hasattr(self.metrics, "on_replica_snapshot"):
+                for state in per_replica():
+                    self.metrics.on_replica_snapshot(state["replica"], state)

@@ -185,7 +185,8 @@ def _free_port() -> int:
 def test_server_over_two_hosts_answers_like_one_engine(model_dir, plain, tmp_path):
     """`serving.launch --nnodes 2 --dp-size 2`, one process per host on localhost: rank 0 serves
     and routes to both hosts' replicas; its completions are the single engine's, /server_info
-    reports both replicas, and SIGTERM ends both processes cleanly."""
+    and /metrics report both replicas, a client that hangs up frees its replica, and SIGTERM ends
+    both processes cleanly."""
     import os
     import signal
     import subprocess
@@ -232,6 +233,19 @@ def test_server_over_two_hosts_answers_like_one_engine(model_dir, plain, tmp_pat
         states = httpx.get(base + "/server_info", trust_env=False).json()["internal_states"]
         routed = [s["routed_requests"] for s in states]
         assert sum(routed) == 4 and min(routed) >= 1  # both hosts served
+        metrics = httpx.get(base + "/metrics", trust_env=False).text
+        assert all(f'dspark:replica_kv_usage{{replica="{r}"}}' in metrics for r in (0, 1))
+        body = {"prompt": PROMPTS[4], "max_tokens": 240, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60, trust_env=False) as resp:
+            next(line for line in resp.iter_lines() if line.startswith("data: {"))  # then hang up
+        deadline = time.time() + 60
+        while any(s["running"] or s["waiting"] for s in httpx.get(base + "/server_info", trust_env=False)
+                  .json()["internal_states"]):  # the abort reaches its replica, wherever it is
+            assert time.time() < deadline, show()
+            time.sleep(0.2)
+        metrics = httpx.get(base + "/metrics", trust_env=False).text
+        assert 'dspark:requests_total{finish_reason="abort"} 1.0' in metrics
+        assert complete(PROMPTS[0])["choices"][0]["text"] == want[0].text
         procs[0].send_signal(signal.SIGTERM)
         assert [p.wait(timeout=120) for p in procs] == [0, 0], show()
     finally:

@@ -282,19 +282,26 @@ class Engine:
         return params
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        req = self.make_request(prompt, params, request_id)
+        if req.id in self._requests:
+            raise InvalidRequestError(f"duplicate request id {req.id!r}")
+        self._requests[req.id] = req
+        self.scheduler.add(req)
+        return req.id
+
+    def make_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Request:
+        """A checked request for this engine, not queued (its seed drawn now unless params has
+        one): what add_request queues, and what a front for replicas on other hosts keeps as
+        its stand-in (parallel/host_replicas.py)."""
         params = self.check_params(params)
         ids = self.encode_prompt(prompt)
         rid = request_id or f"req-{next(self._ids)}"
-        if rid in self._requests:
-            raise InvalidRequestError(f"duplicate request id {rid!r}")
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**32))
         req = Request(rid, ids, params, seed, self.tokenizer, self.eos_ids, self.max_model_len, self.lookahead)
         if self.pool.pages_for(req.reserve_tokens) > self.pool.num_usable_pages:
             raise InvalidRequestError(
                 f"request needs {req.reserve_tokens} KV slots but the whole pool holds {self.pool.capacity_tokens}")
-        self._requests[rid] = req
-        self.scheduler.add(req)
-        return rid
+        return req
 
     def get_request(self, request_id: str) -> Request | None:
         """The live (queued or running) request with this id, or None once it is released."""

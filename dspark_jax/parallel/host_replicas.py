@@ -30,14 +30,13 @@ follower.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
 import time
 from collections.abc import Mapping
 from types import SimpleNamespace
-
-import numpy as np
 
 from dspark_jax.engine.request import Request, Status
 from dspark_jax.errors import InvalidRequestError
@@ -46,6 +45,7 @@ from dspark_jax.spec.common.stats import new_round_stats, summarize_rounds
 
 log = logging.getLogger(__name__)
 
+THROUGHPUT_WINDOW_S = 2.0
 _LOAD_KEYS = ("running", "waiting", "free_pages", "usable_pages", "capacity_tokens", "free_slots", "slots")
 
 
@@ -135,9 +135,8 @@ class HostReplicas:
         self._sent: dict = {}
         self._loads = {r: replica_load(self._first) for r in range(num_replicas)}  # until each reports
         self._routed = [0] * num_replicas  # requests sent to each replica
+        self._recent = [collections.deque() for _ in range(num_replicas)]  # (time, tokens) per replica
         self._rr = itertools.count()
-        self._rng = np.random.default_rng()
-        self._ids = itertools.count()
         self._last_tick = time.monotonic()
         self.stats = new_round_stats() if self._first.stats is not None else None
 
@@ -148,23 +147,15 @@ class HostReplicas:
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, prompt, params=None, request_id: str | None = None) -> str:
-        e = self._first
-        params = e.check_params(params)
-        ids = e.encode_prompt(prompt)
-        rid = request_id or f"req-{next(self._ids)}"
-        if rid in self._live:
-            raise InvalidRequestError(f"duplicate request id {rid!r}")
-        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**32))
-        req = Request(rid, ids, params, seed, e.tokenizer, e.eos_ids, e.max_model_len, e.lookahead)
-        if e.pool.pages_for(req.reserve_tokens) > e.pool.num_usable_pages:
-            raise InvalidRequestError(
-                f"request needs {req.reserve_tokens} KV slots but the whole pool holds {e.pool.capacity_tokens}")
+        req = self._first.make_request(prompt, params, request_id)  # (every replica has the same limits)
+        if req.id in self._live:
+            raise InvalidRequestError(f"duplicate request id {req.id!r}")
         replica = self.pick()
-        self._live[rid] = (replica, req)
+        self._live[req.id] = (replica, req)
         self._routed[replica] += 1
-        sent = dataclasses.replace(params, seed=seed)
-        self._pending.append(["add", replica, ids, params_to_json(sent), rid])
-        return rid
+        sent = dataclasses.replace(req.params, seed=req.seed)  # the replica draws no seed of its own
+        self._pending.append(["add", replica, req.prompt_ids, params_to_json(sent), req.id])
+        return req.id
 
     def pick(self) -> int:
         """The replica holding the fewest live requests (ties: round robin)."""
@@ -237,6 +228,7 @@ class HostReplicas:
                 self.stats["block_accept_lens"].extend(blk)
                 self.stats["samples"] += len(rounds)
             events.append((req, ids))
+            self._recent[entry[0]].append((time.monotonic(), len(ids)))
         return events
 
     def summary(self) -> dict:
@@ -263,9 +255,22 @@ class HostReplicas:
 
     # -- what the server reads -----------------------------------------------------------------
     def replica_states(self) -> list[dict]:
-        """Each replica's last reported load, and how many requests it was sent."""
-        return [{"replica": r, **dict(zip(_LOAD_KEYS, self._loads[r])), "routed_requests": self._routed[r]}
-                for r in range(self.num_replicas)]
+        """Each replica's last reported load, how many requests it was sent, and the gauges the
+        server's metrics keep per replica (tokens/s over the last THROUGHPUT_WINDOW_S seconds
+        of commits that reached rank 0)."""
+        states, now = [], time.monotonic()
+        for r in range(self.num_replicas):
+            load = dict(zip(_LOAD_KEYS, self._loads[r]))
+            recent = self._recent[r]
+            while recent and now - recent[0][0] > THROUGHPUT_WINDOW_S:
+                recent.popleft()
+            span = recent[-1][0] - recent[0][0] if len(recent) > 1 else 0.0
+            used = load["usable_pages"] - load["free_pages"]
+            states.append({"replica": r, **load, "routed_requests": self._routed[r],
+                           "num_running_reqs": load["running"], "num_queue_reqs": load["waiting"],
+                           "kv_used_pages": used, "kv_usage": used / load["usable_pages"] if load["usable_pages"] else 0.0,
+                           "last_gen_throughput": sum(n for _, n in list(recent)[1:]) / span if span > 0 else 0.0})
+        return states
 
     def _total(self, key: str) -> int:
         i = _LOAD_KEYS.index(key)
