@@ -120,6 +120,36 @@ def test_bad_requests_are_refused_by_the_front(model_dir):
     assert given[0] + given[1] == ["x"]
 
 
+def test_a_failing_host_stops_the_server_and_then_itself(model_dir, monkeypatch):
+    """A replica whose step raises on another host: the error reaches rank 0 with the next
+    gather, where step() raises it (the serving loop then fails every request and the server
+    exits), and the failed host raises once rank 0 has closed, so both exit with an error."""
+    from dspark_jax.parallel import host_replicas as hr
+    from dspark_jax.parallel.multihost import params_to_json
+
+    add = ["add", 1, [5, 6], params_to_json(SamplingParams(max_new_tokens=3)), "a"]
+    commands, sent = iter([[add], [], [["stop"]]]), []
+
+    def gather(message):  # rank 0's commands, this host's message
+        sent.append(message)
+        return [{"commands": next(commands)}, message]
+
+    monkeypatch.setattr(hr, "allgather_json", gather)
+    engine = Engine.from_pretrained(model_dir, EngineConfig(**EC))
+    monkeypatch.setattr(engine, "step", lambda: (_ for _ in ()).throw(RuntimeError("device lost")))
+    with pytest.raises(hr.ReplicaHostError, match="device lost"):
+        hr.follow_replicas({1: engine})
+    assert "failed" not in sent[0] and sent[1]["failed"] == sent[2]["failed"] == "RuntimeError: device lost"
+
+    engines, _ = _replicas(model_dir, 1)
+    front = HostReplicas(engines, 2)
+    rid = front.add_request([5, 6])
+    monkeypatch.setattr(hr, "allgather_json", lambda m: [m, {"records": [], "loads": [], "failed": "RuntimeError: x"}])
+    with pytest.raises(hr.ReplicaHostError, match="host 1 failed: RuntimeError: x"):
+        front.step()
+    assert front.get_request(rid) is not None  # nothing was taken as finished
+
+
 def test_layout_and_flags_are_checked():
     import jax
 

@@ -81,7 +81,6 @@ class Request:
         # of a speculative round's commit time on the GPU host.
         self._undecoded: list[int] = []
         self.spec_rounds: list[tuple[int, int, int]] = []  # (accept len, window, block accept len) per round
-        self.spec_extra: dict = {}  # engine-specific per-request statistics (e.g. the ceiling estimate)
         self.page_row = None  # the engine's page-table row for this request (fixed once admitted)
         self.slot = -1  # the engine's slot index while it decodes (rows of per-slot device buffers)
         self.slot_generation = -1  # which occupant of that slot this is
@@ -262,5 +261,4 @@ class Request:
             "window_histogram": np.bincount(win).tolist(),
             "block_accept_length": float(blk.mean()),
             "utilization": float(acc.sum() / blk.sum()) if blk.sum() else None,
-            **self.spec_extra,
         }

@@ -25,7 +25,8 @@ replica's tokens reach rank 0 one tick after it committed them.  Requests, seeds
 reach each replica in rank 0's order, so a replica commits what a single-process engine given
 those requests commits.  While idle, rank 0 ticks about once a second (from ``has_unfinished``,
 which the serving loop polls) so the others never wait long in the gather; ``close`` ends every
-follower.
+follower.  A replica that raises on another host stops the server as a local one would: its error
+reaches rank 0 with the next gather, and its host exits with an error once rank 0 has closed.
 """
 
 from __future__ import annotations
@@ -94,16 +95,32 @@ def _record(req: Request, ids, sent_rounds: dict) -> dict:
     return rec
 
 
+class ReplicaHostError(RuntimeError):
+    """A replica on another host failed: the whole server stops, as when a local engine fails."""
+
+
 def follow_replicas(engines: dict) -> int:
     """Run this process's replicas ({replica index: Engine}) under rank 0's commands until rank
-    0 closes; returns the ticks run."""
+    0 closes; returns the ticks run.  If a replica's step raises, the error goes to rank 0 with
+    the next gather (which stops serving), and this process raises once rank 0 has closed, so it
+    too exits with an error."""
     sent: dict = {}
     message = {"records": [], "loads": [[r, replica_load(e)] for r, e in engines.items()]}
+    failed = None
     for ticks in itertools.count():
         commands = allgather_json(message)[0]["commands"]
         if any(c[0] == "stop" for c in commands):
+            if failed is not None:
+                raise ReplicaHostError(f"this host's replicas failed: {failed}")
             return ticks
-        message = run_tick(engines, commands, sent)
+        if failed is None:
+            try:
+                message = run_tick(engines, commands, sent)
+            except Exception as e:  # noqa: BLE001 - reported to rank 0, raised at the end
+                log.exception("a replica of this host failed; telling rank 0")
+                failed = f"{type(e).__name__}: {e}"
+        if failed is not None:
+            message = {"records": [], "loads": [], "failed": failed}
 
 
 class _StandIns(Mapping):
@@ -197,7 +214,9 @@ class HostReplicas:
         messages = allgather_json({"commands": commands})
         self._last_tick = time.monotonic()
         events = []
-        for message in messages[1:]:
+        for rank, message in enumerate(messages[1:], 1):
+            if message.get("failed"):
+                raise ReplicaHostError(f"the replicas of host {rank} failed: {message['failed']}")
             events += self._take(message)
         events += self._take(run_tick(self._local, commands, self._sent))
         for req, _ in events:
