@@ -69,15 +69,19 @@ def make_worker(drafter=None, spec=None) -> Worker:
 
 
 def compile_engines(engines, progress=None) -> float:
-    """Compile every executable the engines' workers run, several at a time (XLA compiles outside
-    the GIL, so the host's cores share the work), logging progress; returns seconds spent.
+    """Compile every executable the engines' workers run, several at a time on a GPU host (XLA
+    compiles outside the GIL, so the host's cores share the work), logging progress; returns
+    seconds spent.
     progress(done, total, label), if given, is called with (0, total, None) first, then as each
     executable is compiled (e.g. to draw a progress bar)."""
     todo = [(label, build) for e in engines for label, build in e.executables()]
     t0 = time.perf_counter()
     if progress is not None:
         progress(0, len(todo), None)
-    threads = max(1, min(len(todo), os.cpu_count() or 1))
+    # On the CPU one thread builds them all: XLA:CPU has aborted a process while one pool thread
+    # read an executable from the persistent cache and another traced or read (model_runner.py).
+    cpu = any(getattr(e.runner, "platform", None) == "cpu" for e in engines)
+    threads = 1 if cpu else max(1, min(len(todo), os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:
         futures = {pool.submit(build): label for label, build in todo}
         for i, done in enumerate(concurrent.futures.as_completed(futures), 1):

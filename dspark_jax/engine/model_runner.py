@@ -36,10 +36,10 @@ log = logging.getLogger(__name__)
 GPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
 
 # XLA:CPU has crashed a process (an abort in deserialize_executable, a segfault in
-# serialize_executable) when two threads of it read or wrote the persistent compilation cache at
-# once, as start-up's parallel compile does.  On the CPU one compile at a time per process; GPU
-# start-up keeps its parallel compile (it has never crashed there, and it is where start-up time
-# matters).
+# serialize_executable) while another thread of it read the persistent compilation cache or
+# traced, as start-up's parallel compile does.  On the CPU one compile at a time per process (and
+# compile_engines builds on one thread); GPU start-up keeps its parallel compile (it has never
+# crashed there, and it is where start-up time matters).
 _CPU_COMPILE_LOCK = threading.Lock()
 
 DEFAULT_CACHE_DIR = Path(os.environ.get("DSPARK_JAX_CACHE", Path.home() / ".cache" / "dspark_jax")) / "xla"
