@@ -40,6 +40,12 @@ def run_two_ranks(out: Path, *extra: str, timeout: float = 900, devices: int = 1
     assert all(p.returncode == 0 for p in procs), "\n=====\n".join(x[-4000:] for x in logs)
 
 
+def record_request_ids(engine, into: list) -> None:
+    """Append the id of every request added to ``engine`` to ``into`` (which replica got what)."""
+    real = engine.add_request
+    engine.add_request = lambda *a, **k: into.append(k["request_id"]) or real(*a, **k)
+
+
 def main(rank: int, port: int, out: str) -> None:
     from dspark_jax.parallel.multihost import initialize
 
@@ -157,10 +163,8 @@ def host_replicas(rank: int, port: int, out: str) -> None:
     result = {}
     for name, kw in arms.items():
         engines = {r: Engine(target, None, EngineConfig(**EC, tp_size=2), devices=g, **kw) for r, g in mine.items()}
-        added = result[name + "_added"] = []
         for e in engines.values():
-            real = e.add_request
-            e.add_request = lambda *a, _real=real, _to=added, **k: _to.append(k["request_id"]) or _real(*a, **k)
+            record_request_ids(e, result.setdefault(name + "_added", []))
         if rank != 0:
             follow_replicas(engines)
             continue

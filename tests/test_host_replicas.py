@@ -16,6 +16,7 @@ import pytest
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.parallel.host_replicas import HostReplicas
 from dspark_jax.sampling import SamplingParams
+from tests.multihost_worker import record_request_ids
 from tests.tiny_engines import EC
 
 PROMPTS = [[5, 17, 33, 9], [101, 7], [250, 251, 252, 253, 254, 8], [3] * 9, [44, 45], [60, 61, 62]]
@@ -26,9 +27,7 @@ def _replicas(model_dir, n=2):
     engines, given = {}, {}
     for r in range(n):
         e = Engine.from_pretrained(model_dir, EngineConfig(**EC))
-        given[r] = []
-        real = e.add_request
-        e.add_request = lambda *a, _real=real, _to=given[r], **k: _to.append(k["request_id"]) or _real(*a, **k)
+        record_request_ids(e, given.setdefault(r, []))
         engines[r] = e
     return engines, given
 

@@ -50,6 +50,12 @@ def initialize(nnodes: int, node_rank: int, dist_init_addr: str | None) -> bool:
     return True
 
 
+def _buffer_size(nbytes: int) -> int:
+    """The byte buffer a payload travels in: a power of two, at least 256 (a few buffer sizes,
+    so the collectives compile a few times)."""
+    return max(256, 1 << (nbytes - 1).bit_length())
+
+
 def broadcast_json(value):
     """Rank 0's JSON-able value on every process (what the others pass is ignored)."""
     import jax
@@ -58,7 +64,7 @@ def broadcast_json(value):
     leader = jax.process_index() == 0
     payload = json.dumps(value).encode() if leader else b""
     n = multihost_utils.broadcast_one_to_all(np.array([len(payload)], np.int32), is_source=leader)
-    size = max(256, 1 << int(int(n[0]) - 1).bit_length())  # a few buffer sizes: a few compiles
+    size = _buffer_size(int(n[0]))
     buf = np.zeros(size, np.uint8)
     if leader:
         buf[:len(payload)] = np.frombuffer(payload, np.uint8)
@@ -73,7 +79,7 @@ def allgather_json(value) -> list:
 
     payload = np.frombuffer(json.dumps(value).encode(), np.uint8)
     sizes = np.asarray(multihost_utils.process_allgather(np.array([payload.size], np.int32))).reshape(-1)
-    size = max(256, 1 << int(int(sizes.max()) - 1).bit_length())  # a few buffer sizes: a few compiles
+    size = _buffer_size(int(sizes.max()))
     buf = np.zeros(size, np.uint8)
     buf[:payload.size] = payload
     bufs = np.asarray(multihost_utils.process_allgather(buf)).reshape(jax.process_count(), size)
