@@ -28,6 +28,7 @@ from benchmarks.common import environment, write_results
 from benchmarks.profile_decode_step import plain_decode_call, profile_calls
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.spec.config import SpeculativeConfig
+from dspark_jax.spec.dspark.synthetic import synthetic_round
 
 
 def profile_batch(plain: Engine, dspark: Engine, bs: int, context: int, steps: int, top: int) -> list[dict]:
@@ -35,7 +36,7 @@ def profile_batch(plain: Engine, dspark: Engine, bs: int, context: int, steps: i
     worker = dspark.worker
     out = [{"bs": bs, "kind": "plain", **profile_calls(plain_decode_call(plain, bs, context), steps, top)}]
     for kind, budget in (("decode round", None), ("full round", bs * worker.gamma)):
-        with worker.synthetic_round(bs, budget, context) as (tier, call):
+        with synthetic_round(worker, bs, budget, context) as (tier, call):
             out.append({"bs": bs, "kind": kind, "tier": tier, **profile_calls(call, steps, top, sequence=1000)})
     return out
 

@@ -42,6 +42,7 @@ from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.sampling import SamplingParams
 from dspark_jax.spec.config import SpeculativeConfig
 from dspark_jax.spec.dspark.profile import fit_cells, profile_cells
+from dspark_jax.spec.dspark.synthetic import time_round
 
 
 def main(argv=None):
@@ -99,8 +100,8 @@ def main(argv=None):
             else:
                 sweep = []
                 for bs, K in grid:
-                    T, t = eng.worker.time_round(bs, K, args.context, (args.temperature, args.top_k, args.top_p),
-                                                 iters=args.iters)
+                    T, t = time_round(eng.worker, bs, K, args.context, (args.temperature, args.top_k, args.top_p),
+                                      iters=args.iters)
                     sweep.append({"bs": bs, "K": K, "M": bs + (K or 0), "tier": T, "seconds": t})
                     bar.update()
             cells += [{"repeat": rep, **c} for c in sweep]

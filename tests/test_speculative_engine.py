@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from dspark_jax.spec.config import SpeculativeConfig
 from dspark_jax.spec.dspark.config import DSparkConfig
 from dspark_jax.spec.dspark.cost_model import AdditiveCostTable
 from dspark_jax.spec.dspark.model import DSparkDrafter
+from dspark_jax.spec.dspark.synthetic import synthetic_round, time_round
 from dspark_jax.spec.dspark.worker import round_seconds
 from dspark_jax.tokenizer import Tokenizer
 from tests.stats import assert_counts_fit
@@ -227,6 +229,28 @@ def test_forced_budget_verifies_exactly_that_many_drafts(pair, plain):
                             else eng.worker.tiers.tier_for(bs, k))
     with pytest.raises(ValueError, match="forced budget"):
         eng.worker.force(-1)
+
+
+def test_synthetic_rounds_commit_nothing_and_give_their_pages_back(pair, plain):
+    """The studies' synthetic rounds (spec/dspark/synthetic.py): the compact round of (bs, K)'s
+    tier, or a plain decode step of the batch's bucket, dispatched again and again on made-up rows
+    whose pages are held only for the call; afterwards the pool is whole and the engine serves
+    plain greedy tokens as before."""
+    target, _, _ = pair
+    eng = dspark(pair, mode="compact")
+    free = eng.pool.num_free_pages
+    for bs, K in ((3, 5), (2, None)):
+        with synthetic_round(eng.worker, bs, K, context=40) as (tier, call):
+            assert eng.pool.num_free_pages < free
+            jax.block_until_ready([call(), call()])
+        assert tier == (eng.worker.tiers.tier_for(bs, K) if K is not None
+                        else eng.decode_buckets[bisect.bisect_left(eng.decode_buckets, bs)])
+        assert eng.pool.num_free_pages == free
+    tier, seconds = time_round(eng.worker, 2, 3, context=40, iters=2, warmup=1)
+    assert tier == eng.worker.tiers.tier_for(2, 3) and seconds > 0 and eng.pool.num_free_pages == free
+    prompts = _prompts(target.config.vocab_size, 3, seed=21)
+    got = eng.generate(prompts, GREEDY)
+    assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(prompts, GREEDY)]
 
 
 @pytest.mark.parametrize("rounds", [1, 2])

@@ -17,8 +17,6 @@ writes stay inside its own reserved pages (the lookahead covers two calls' block
 
 from __future__ import annotations
 
-import bisect
-import contextlib
 import dataclasses
 import functools
 import time
@@ -359,66 +357,22 @@ class DSparkWorker(DraftWorker):
             self._recorder.add(out.confidence_logits[:bs][alive], out.block_accept[:bs][alive], final)
         return [(r, committed) for r, _, committed in done]
 
-    # -- profiling -----------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def synthetic_round(self, batch_size: int, budget: int | None, context: int, sampling=(0.0, 0, 1.0)):
-        """(tier, call): ``call()`` dispatches the compiled round once on a steady synthetic batch
-        and returns its device results: batch_size requests whose anchors sit at ``context``,
-        verifying ``budget`` drafts beyond them (the compact executable; None: a plain decode
-        step), sampling = (temperature, top_k, top_p).  Every call overwrites the same positions,
-        so nothing is committed; the pages are given back on exit."""
-        e = self.engine
-        mode = "compact" if budget is not None else decode_mode(sampling[0])
-        T = (self.tiers.tier_for(batch_size, budget) if budget is not None else
-             self.tiers.batch_sizes[bisect.bisect_left(self.tiers.batch_sizes, batch_size)])
-        S, P = (self.tiers.rows_for(T, batch_size) if budget is not None else T), e.pages_per_seq
-        owners = [("synthetic_round", i) for i in range(batch_size)]
-        table = np.zeros((S, P), np.int32)
-        for i, owner in enumerate(owners):
-            e.pool.reserve(owner, context + self.lookahead)
-            table[i] = e.pool.page_table_row(owner, P)
-        try:
-            live = np.arange(S) < batch_size
-            temperature, top_k, top_p = sampling
-            row = lambda x, pad, dt: np.where(live, x, pad).astype(dt)
-            inp = SpecInputs(anchor=row(5, 0, np.int32), start=row(context, 0, np.int32), page_table=table, live=live,
-                             num_seqs=np.int32(batch_size), budget=np.full(self.rounds, budget or 0, np.int32),
-                             temperature=row(temperature, 0, np.float32), top_k=row(top_k, 0, np.int32),
-                             top_p=row(top_p, 1, np.float32), seed=np.arange(S, dtype=np.uint32),
-                             logit_slot=np.full(S, -1, np.int32),
-                             fed_anchor=self._no_feed[0], fed_start=self._no_feed[1],
-                             fed_index=np.full(S, -1, np.int32))
-            fn, pack, runner = self._round_executable(mode, T, S, P), self._input_pack(S, P), e.runner
-            packed = pack.pack(inp)
+    # -- studies -------------------------------------------------------------------------------
+    def round_caller(self, mode: str, T: int, S: int, P: int, inp: SpecInputs):
+        """``call()`` dispatching the compiled round (mode, tier T, S rows, P-page tables) on
+        inputs the caller built, fed by no earlier round, and returning its device results;
+        packed once, so repeated calls time the executable and its dispatch alone
+        (spec/dspark/synthetic.py).  Every call overwrites the same positions: nothing commits."""
+        fn, pack, runner = self._round_executable(mode, T, S, P), self._input_pack(S, P), self.engine.runner
+        inp = dataclasses.replace(inp, fed_anchor=self._no_feed[0], fed_start=self._no_feed[1])
+        packed, device = pack.pack(inp), pack.device(inp)
 
-            def call():
-                results, _, runner.cache, self.dcache, _ = fn(runner.state, self.drafter_state, runner.cache,
-                                                              self.dcache, None, packed, pack.device(inp),
-                                                              self.sts_temperatures)
-                return results
+        def call():
+            results, _, runner.cache, self.dcache, _ = fn(runner.state, self.drafter_state, runner.cache, self.dcache,
+                                                          None, packed, device, self.sts_temperatures)
+            return results
 
-            yield T, call
-        finally:
-            for owner in owners:
-                e.pool.free(owner)
-
-    def time_round(self, batch_size: int, budget: int | None, context: int, sampling=(0.0, 0, 1.0), iters: int = 10,
-                   warmup: int = 3) -> tuple[int, float]:
-        """(tier, median seconds per round) of synthetic_round's call, timed over chains of calls
-        dispatched back to back: device time or dispatch, whichever bounds it, without the
-        loop's host work and feeds (the cost table is profiled in the loop instead:
-        spec/dspark/profile.py)."""
-        with self.synthetic_round(batch_size, budget, context, sampling) as (T, call):
-            def chain(n: int) -> float:
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    results = call()
-                jax.block_until_ready(results)
-                return (time.perf_counter() - t0) / n
-
-            chain(warmup)
-            times = [chain(iters) for _ in range(3)]
-        return T, float(np.median(times)) / self.rounds
+        return call
 
     # -- reports -------------------------------------------------------------------------------
     def summary(self) -> dict:
