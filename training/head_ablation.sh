@@ -43,6 +43,8 @@ PYTHON=${PYTHON:-python3}
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 TQDM_MININTERVAL=${TQDM_MININTERVAL:-10}
 mkdir -p "$OUT" "$RUNS"
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
+# shellcheck source=training/suite_lib.sh
+source training/suite_lib.sh
 
 head_args() {  # the only thing that differs between the arms
   case $1 in
@@ -69,18 +71,15 @@ for stage in $STAGES; do
       # shellcheck disable=SC2046
       "$PYTHON" -m training.drafter train "${train_args[@]}" $(head_args vanilla) --out "$RUNS/probe" --steps 1000 \
           --stop-at "$PROBE_STEPS" --eval-every 100000 > "$OUT/probe.log" 2>&1
-      SPS=$("$PYTHON" -c '
-import json, sys
-rec = [json.loads(l) for l in open(sys.argv[1]) if "\"train\"" in l]
-print((rec[-1]["elapsed_s"] - rec[0]["elapsed_s"]) / (rec[-1]["step"] - rec[0]["step"]))' "$RUNS/probe/metrics.jsonl")
+      SPS=$(seconds_per_step "$RUNS/probe/metrics.jsonl")
       echo "vanilla: ${SPS}s/step" | tee -a "$OUT/probe.log"
       ;;
     train)
       n=$(echo $HEADS | wc -w)
       share=$(( ($(left) - REPORT_RESERVE) / n ))
-      # each head's share holds its compile, export and evaluation (about a fifth) besides the steps
-      steps=${STEPS:-$("$PYTHON" -c "import sys; print(max(20, int(0.8 * float(sys.argv[1]) / (float(sys.argv[2]) * float(sys.argv[3])))))" \
-                       "$share" "${SPS:?run the probe stage first, or give STEPS}" "$SLOWEST")}
+      # each head's share holds its compile, export and evaluation (about a fifth) besides the steps,
+      # sized for the slowest head
+      steps=${STEPS:-$(steps_for $(( share * 4 / 5 )) "$("$PYTHON" -c "print(${SPS:?run the probe stage first, or give STEPS} * $SLOWEST)")")}
       echo "every head: $steps steps, at most ${share}s each" | tee "$OUT/train.log"
       for head in $HEADS; do
         run="$RUNS/$head"; rm -rf "$run"; t=$(date +%s)

@@ -69,14 +69,8 @@ export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 TQDM_MININTERVAL=${TQDM_MI
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.45}
 mkdir -p "$OUT"
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
-# seconds per step from a run's metrics.jsonl, skipping the first record (it holds the compile)
-seconds_per_step() {
-  "$PYTHON" -c '
-import json, sys
-rec = [json.loads(l) for l in open(sys.argv[1]) if "\"train\"" in l]
-print((rec[-1]["elapsed_s"] - rec[0]["elapsed_s"]) / (rec[-1]["step"] - rec[0]["step"]))' "$1"
-}
-steps_for() { "$PYTHON" -c "import sys; print(max(20, int(0.92 * float(sys.argv[1]) / float(sys.argv[2]))))" "$1" "$2"; }
+# shellcheck source=training/suite_lib.sh
+source training/suite_lib.sh
 
 train_args=(--target "$TARGET" --data "$DATA" --block-size 7 --num-layers "$LAYERS" --markov-type vanilla
             --markov-rank 256 --batch-size "$BATCH" --seq-len "$SEQ_LEN" --num-anchors "$ANCHORS" --anchor-chunk 64
