@@ -35,11 +35,11 @@ log = logging.getLogger(__name__)
 # rematerialize: its memory is the weights and the caches.
 GPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
 
-# XLA:CPU has crashed a process (an abort in deserialize_executable, a segfault in
-# serialize_executable) while another thread of it read the persistent compilation cache or
-# traced, as start-up's parallel compile does.  On the CPU one compile at a time per process (and
-# compile_engines builds on one thread); GPU start-up keeps its parallel compile (it has never
-# crashed there, and it is where start-up time matters).
+# XLA:CPU has aborted a process in deserialize_executable (and once segfaulted in
+# serialize_executable) while reading the persistent compilation cache, first seen with two
+# compile threads, later with one (docs/decisions.md).  On the CPU one compile at a time per
+# process, and compile_engines builds on one thread; GPU start-up keeps its parallel compile (it
+# has never crashed there, and it is where start-up time matters).
 _CPU_COMPILE_LOCK = threading.Lock()
 
 DEFAULT_CACHE_DIR = Path(os.environ.get("DSPARK_JAX_CACHE", Path.home() / ".cache" / "dspark_jax")) / "xla"
