@@ -29,7 +29,6 @@ bookkeeping between steps) means the engine is dead: every in-flight and queued 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import queue
 import threading
@@ -38,6 +37,7 @@ import uuid
 
 from dspark_jax.errors import InvalidRequestError
 from dspark_jax.sampling import SamplingParams
+from dspark_jax.token_rate import TokenRate
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,7 @@ class EngineLoop:
         self._closed = False  # no more commands are read: guarded by _lock with the queue
         self._lock = threading.Lock()
         self.error: BaseException | None = None
-        self._window = throughput_window_s
-        self._recent: collections.deque = collections.deque()  # (time, tokens) for throughput
+        self._rate = TokenRate(throughput_window_s)
         self._spec_seen = 0
         self._observe_failures = 0
         self.total_steps = 0
@@ -288,10 +287,7 @@ class EngineLoop:
                 log.exception("recording step metrics failed (logged once)")
 
     def _observe(self, dt: float, ntok: int) -> None:
-        now = time.perf_counter()
-        self._recent.append((now, ntok))
-        while self._recent and now - self._recent[0][0] > self._window:
-            self._recent.popleft()
+        self._rate.add(ntok)
         spec = getattr(self.engine, "stats", None)
         new_rounds = None
         if isinstance(spec, dict) and "samples" in spec:
@@ -308,15 +304,6 @@ class EngineLoop:
         e = self.engine
         pool = e.pool
         used = pool.num_usable_pages - pool.num_free_pages
-        t = time.perf_counter()
-        while self._recent and t - self._recent[0][0] > self._window:  # idle: throughput decays to 0
-            self._recent.popleft()
-        if len(self._recent) >= 2:
-            span = self._recent[-1][0] - self._recent[0][0]
-            toks = sum(n for _, n in list(self._recent)[1:])
-            tput = toks / span if span > 0 else 0.0
-        else:
-            tput = 0.0
         snap = {
             "num_running_reqs": len(e.scheduler.running),
             "num_queue_reqs": len(e.scheduler.waiting),
@@ -325,7 +312,7 @@ class EngineLoop:
             "kv_free_pages": pool.num_free_pages,
             "kv_usage": used / pool.num_usable_pages if pool.num_usable_pages else 0.0,
             "token_capacity": pool.capacity_tokens,
-            "last_gen_throughput": tput,
+            "last_gen_throughput": self._rate.per_second(),
             "total_steps": self.total_steps,
             "active_streams": len(self._streams),
             # a leak check: every slot is free again once nothing runs

@@ -31,7 +31,6 @@ reaches rank 0 with the next gather, and its host exits with an error once rank 
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import logging
@@ -43,10 +42,10 @@ from dspark_jax.engine.request import Request, Status
 from dspark_jax.errors import InvalidRequestError
 from dspark_jax.parallel.multihost import HEARTBEAT_S, allgather_json, params_from_json, params_to_json
 from dspark_jax.spec.common.stats import new_round_stats, summarize_rounds
+from dspark_jax.token_rate import TokenRate
 
 log = logging.getLogger(__name__)
 
-THROUGHPUT_WINDOW_S = 2.0
 _LOAD_KEYS = ("running", "waiting", "free_pages", "usable_pages", "capacity_tokens", "free_slots", "slots")
 
 
@@ -152,7 +151,7 @@ class HostReplicas:
         self._sent: dict = {}
         self._loads = {r: replica_load(self._first) for r in range(num_replicas)}  # until each reports
         self._routed = [0] * num_replicas  # requests sent to each replica
-        self._recent = [collections.deque() for _ in range(num_replicas)]  # (time, tokens) per replica
+        self._rates = [TokenRate() for _ in range(num_replicas)]  # commits that reached rank 0, per replica
         self._rr = itertools.count()
         self._last_tick = time.monotonic()
         self.stats = new_round_stats() if self._first.stats is not None else None
@@ -247,7 +246,7 @@ class HostReplicas:
                 self.stats["block_accept_lens"].extend(blk)
                 self.stats["samples"] += len(rounds)
             events.append((req, ids))
-            self._recent[entry[0]].append((time.monotonic(), len(ids)))
+            self._rates[entry[0]].add(len(ids))
         return events
 
     def summary(self) -> dict:
@@ -275,20 +274,15 @@ class HostReplicas:
     # -- what the server reads -----------------------------------------------------------------
     def replica_states(self) -> list[dict]:
         """Each replica's last reported load, how many requests it was sent, and the gauges the
-        server's metrics keep per replica (tokens/s over the last THROUGHPUT_WINDOW_S seconds
-        of commits that reached rank 0)."""
-        states, now = [], time.monotonic()
+        server's metrics keep per replica (tokens/s of the commits that reached rank 0)."""
+        states = []
         for r in range(self.num_replicas):
             load = dict(zip(_LOAD_KEYS, self._loads[r]))
-            recent = self._recent[r]
-            while recent and now - recent[0][0] > THROUGHPUT_WINDOW_S:
-                recent.popleft()
-            span = recent[-1][0] - recent[0][0] if len(recent) > 1 else 0.0
             used = load["usable_pages"] - load["free_pages"]
             states.append({"replica": r, **load, "routed_requests": self._routed[r],
                            "num_running_reqs": load["running"], "num_queue_reqs": load["waiting"],
                            "kv_used_pages": used, "kv_usage": used / load["usable_pages"] if load["usable_pages"] else 0.0,
-                           "last_gen_throughput": sum(n for _, n in list(recent)[1:]) / span if span > 0 else 0.0})
+                           "last_gen_throughput": self._rates[r].per_second()})
         return states
 
     def _total(self, key: str) -> int:
