@@ -78,8 +78,8 @@ def compile_engines(engines, progress=None) -> float:
     t0 = time.perf_counter()
     if progress is not None:
         progress(0, len(todo), None)
-    # On the CPU one thread builds them all: XLA:CPU has aborted a process while one pool thread
-    # read an executable from the persistent cache and another traced or read (model_runner.py).
+    # On the CPU one thread builds them all, a guard against XLA:CPU's aborts in the persistent
+    # cache read that has not stopped them (model_runner.py, docs/decisions.md).
     cpu = any(getattr(e.runner, "platform", None) == "cpu" for e in engines)
     threads = 1 if cpu else max(1, min(len(todo), os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:
