@@ -183,19 +183,25 @@ def test_results_carry_timing_stats(tiny_engine):
     assert tiny_engine.last_generate_stats["completion_tokens"] == 12
 
 
-def test_unrolled_decode_and_lazy_compile_give_identical_tokens(hf_model_dir, tiny_engine):
+@pytest.mark.parametrize("split", [True, False], ids=["large-layers-split", "small-layers-stacked"])
+def test_unrolled_decode_and_lazy_compile_give_identical_tokens(hf_model_dir, tiny_engine, split, monkeypatch):
+    from dspark_jax.layers import layer_split
+
+    monkeypatch.setattr(layer_split, "SPLIT_MIN_LAYER_BYTES", 0 if split else layer_split.SPLIT_MIN_LAYER_BYTES)
     eng = Engine.from_pretrained(hf_model_dir, EngineConfig(max_running_requests=4, max_prefill_tokens=64,
                                                             max_model_len=256, unroll_decode=True, precompile=False))
     assert not eng.worker._compiled
-    # An unrolling engine splits its layer weights: its steps take one array per layer where the
-    # scanning engine's take one [L, ...] stack (layers/layer_split.py).
+    # An unrolling engine splits large layers' weights: its steps take one array per layer where
+    # the scanning engine's take one [L, ...] stack (layers/layer_split.py).  Small layers stay
+    # stacked: decode unrolls over the stacks, prefill scans.
     L = eng.config.num_hidden_layers
     stacked = [x.shape for x in tiny_engine.runner.state if x.ndim >= 2 and x.shape[0] == L]
-    assert eng.runner.split and not tiny_engine.runner.split and stacked
-    split = [x.shape for x in eng.runner.state]
-    assert sorted(split) == sorted([s for s in (x.shape for x in tiny_engine.runner.state) if s not in stacked]
-                                   + [s[1:] for s in stacked for _ in range(L)])
-    assert eng.runner.forward_options(True)["scan_layers"] is False  # prefill unrolls too
+    assert eng.runner.split == split and not tiny_engine.runner.split and stacked
+    shapes = [x.shape for x in eng.runner.state]
+    per_layer = [s[1:] for s in stacked for _ in range(L)] if split else stacked
+    assert sorted(shapes) == sorted([s for s in (x.shape for x in tiny_engine.runner.state) if s not in stacked] + per_layer)
+    assert eng.runner.forward_options(True)["scan_layers"] is not split  # split: prefill unrolls too
+    assert eng.runner.forward_options(False)["scan_layers"] is False
     prompts = _prompts(tiny_engine, 5, seed=31)
     assert [r.token_ids for r in eng.generate(prompts, GREEDY)] == [r.token_ids for r in tiny_engine.generate(prompts, GREEDY)]
     assert eng.worker._compiled  # compiled on first use

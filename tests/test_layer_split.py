@@ -70,3 +70,27 @@ def test_split_model_saves_the_stacked_models_checkpoint(hf_model_dir, tmp_path)
     _, b = load_model(tmp_path / "split", dtype="float32")
     for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_only_large_layers_are_worth_splitting(hf_model_dir):
+    """A layer's bytes counted by hand for Qwen3-8B's published shape (bf16): fused q/k/v and
+    o_proj, fused gate/up and down_proj, two RMSNorms and the q/k head norms."""
+    from dspark_jax.config import Qwen3Config
+    from dspark_jax.layers.layer_split import SPLIT_MIN_LAYER_BYTES, layer_bytes, worth_splitting
+    from dspark_jax.models.qwen3 import abstract_model
+
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, num_hidden_layers=36)
+    qkv, o = 4096 * (32 + 2 * 8) * 128, 32 * 128 * 4096
+    ffn = 4096 * 2 * 12288 + 12288 * 4096
+    big = abstract_model(cfg, jnp.bfloat16)
+    assert layer_bytes(big.layers) == 2 * (qkv + o + ffn + 2 * 4096 + 2 * 128)
+    assert worth_splitting(big.layers)
+    _, small = load_model(hf_model_dir, dtype="float32")
+    c = small.config
+    per_layer = (c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+                 + c.num_attention_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+                 + 2 * c.hidden_size + 2 * c.head_dim)
+    assert layer_bytes(small.layers) == 4 * per_layer < SPLIT_MIN_LAYER_BYTES
+    assert not worth_splitting(small.layers)
+    assert layer_bytes(_split_copy(small).layers) == layer_bytes(small.layers)

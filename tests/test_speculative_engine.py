@@ -409,12 +409,16 @@ def test_sts_recording_feeds_the_calibration_cli(pair, tmp_path):
         dspark(pair, EngineConfig(**EC, precompile=False), mode="compact", record_sts_dir=str(rec))
 
 
-def test_gpu_execution_options_commit_the_same_tokens(pair, plain, model_dir):
+@pytest.mark.parametrize("split", [True, False], ids=["large-layers-split", "small-layers-stacked"])
+def test_gpu_execution_options_commit_the_same_tokens(pair, plain, model_dir, split, monkeypatch):
     """What the engines run on the GPU -- every loop unrolled (target layers, drafter layers, the
     gamma sampling steps, the context extension; the MTP chain) and the Pallas kernels
-    (interpret mode here) -- commits exactly the plain engine's greedy tokens, for DSpark and MTP."""
+    (interpret mode here) -- commits exactly the plain engine's greedy tokens, for DSpark and MTP,
+    over layer weights split into one array per layer (as large models are) or left stacked."""
+    from dspark_jax.layers import layer_split
     from dspark_jax.spec.mtp.model import MTPConfig, MTPDrafter
 
+    monkeypatch.setattr(layer_split, "SPLIT_MIN_LAYER_BYTES", 0 if split else layer_split.SPLIT_MIN_LAYER_BYTES)
     # copies: an unrolling engine splits its models' layer weights in place (layers/layer_split.py)
     target, tok, drafter = pair
     target, drafter = nnx.clone(target), nnx.clone(drafter)
@@ -424,7 +428,8 @@ def test_gpu_execution_options_commit_the_same_tokens(pair, plain, model_dir):
     eng = dspark((target, tok, drafter), gpu_like, mode="compact", cost_table=TABLE)
     runner = eng.runner
     assert runner.unroll and (runner.backend, runner.norm_backend, runner.kv_write_backend) == ("pallas",) * 3
-    assert is_split(target.layers) and is_split(drafter.layers) and not is_split(pair[0].layers)
+    assert is_split(target.layers) == is_split(drafter.layers) == runner.split == split
+    assert not is_split(pair[0].layers)
     assert [r.token_ids for r in eng.generate(prompts, GREEDY)] == want
     assert np.asarray(eng.stats["accept_lens"]).max() >= 3
     mtp = Engine(target, tok, gpu_like, drafter=MTPDrafter(MTPConfig.from_target(target.config), rngs=nnx.Rngs(1)),

@@ -35,7 +35,7 @@ from dspark_jax.engine.worker import PlainWorker, Worker
 from dspark_jax.errors import InvalidRequestError
 from dspark_jax.grammar.compile import GrammarCompiler
 from dspark_jax.kv_cache import allocate_kv_cache, kv_bytes_per_token
-from dspark_jax.layers.layer_split import split_layers
+from dspark_jax.layers.layer_split import split_layers, worth_splitting
 from dspark_jax.logit_processors import MAX_STOP_IDS, LogitProcessors
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
 from dspark_jax.page_pool import PagePool
@@ -116,7 +116,7 @@ class Engine:
                             if ec.min_context_bucket else [self.pages_per_seq])
         unroll = ec.unroll_decode if ec.unroll_decode is not None else jax.default_backend() == "gpu"
         par = self.parallel
-        if unroll and par.default:  # one array per layer (layers/layer_split.py), before the pool takes the memory
+        if unroll and par.default and worth_splitting(model.layers):  # before the pool takes the memory
             split_layers(model.layers)
         self.pool = PagePool(ec.num_pages or self._default_num_pages(model), ec.page_size)
         enable_compilation_cache(ec.compile_cache_dir)

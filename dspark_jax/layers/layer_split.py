@@ -40,6 +40,10 @@ class LayerSplit:
         return (len(self.arrays), *self.arrays[0].shape)
 
     @property
+    def size(self) -> int:
+        return len(self.arrays) * self.arrays[0].size
+
+    @property
     def dtype(self):
         return self.arrays[0].dtype
 
@@ -65,6 +69,24 @@ def _holds_split(tree) -> bool:
 def is_split(layers: nnx.Module) -> bool:
     """Whether a stacked layer module's weights were split by split_layers."""
     return _holds_split(nnx.state(layers))
+
+
+# Below this many bytes a layer stays stacked (docs/decisions.md, "Unrolled steps on the GPU").
+SPLIT_MIN_LAYER_BYTES = 64 << 20
+
+
+def layer_bytes(layers: nnx.Module) -> int:
+    """The bytes of one layer's weights in a layer module (stacked or split, arrays or shapes)."""
+    stacks = [v.get_value() for _, v in nnx.iter_graph(layers) if isinstance(v, nnx.Variable)]
+    num_layers = max((x.shape[0] for x in stacks), default=1)
+    return sum(x.size * np.dtype(x.dtype).itemsize for x in stacks) // num_layers
+
+
+def worth_splitting(layers: nnx.Module) -> bool:
+    """Whether splitting a stacked layer module pays.  It saves compile time per layer (each GEMM
+    shape autotuned once, not once per layer) and costs host time on every call (each weight of
+    each layer is one more argument buffer), so it pays for large layers only."""
+    return layer_bytes(layers) >= SPLIT_MIN_LAYER_BYTES
 
 
 def split_layers(layers: nnx.Module) -> None:
