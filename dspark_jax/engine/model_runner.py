@@ -130,7 +130,7 @@ class ModelRunner:
         self.config = model.config
         self.dtype = model.dtype
         self.unroll = bool(unroll)
-        # split by the engine where it unrolls: every step unrolls (a model loaded into shards is not)
+        # split by the engine where it unrolls large layers: every step unrolls (a model loaded into shards is not)
         self.split = isinstance(model, nnx.Module) and is_split(model.layers)
         if parallel is None or parallel.default:
             self.graphdef, state = nnx.split(model)

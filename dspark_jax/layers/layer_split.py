@@ -8,9 +8,11 @@ stack) and emits every layer's kernels anew.  At Qwen3-8B shape that made a star
 minutes per step.  Split into separate arrays, the layers' fusions are identical, so each GEMM
 shape is autotuned and compiled once, and each GEMM still reads its weights where they lie.
 
-``split_layers`` swaps a stacked layer module's weights for ``LayerSplit`` values in place (same
-bytes: the stack is freed once nothing else holds it); ``run_layers`` runs a layer body over
-either form, scanned where asked and possible, else unrolled.
+Each split weight is also one more argument buffer of every call, which costs host time, so
+``worth_splitting`` keeps small layers stacked.  ``split_layers`` swaps a stacked layer module's
+weights for ``LayerSplit`` values in place (same bytes: the stack is freed once nothing else
+holds it); ``run_layers`` runs a layer body over either form, scanned where asked and possible,
+else unrolled.
 """
 
 from __future__ import annotations
