@@ -15,6 +15,8 @@ before the change (a directory, e.g. ``git archive OLD | tar -x -C DIR``) and fr
 
 Arguments after ``--`` go to both trees' bench_speculative.py; --before-args / --after-args add
 to one side (flags one tree lacks).  A before tree without dspark_jax/assets gets this tree's.
+Each run's result stays in --out-dir/<name>_runs: with --budget-s a long check can be split over
+several invocations, each going on from the runs already there.
 """
 
 from __future__ import annotations
@@ -79,6 +81,10 @@ def run_tree(tree: str, tree_dir: Path, commit: str, bench_args: list[str], tag:
     env = dict(os.environ, PYTHONPATH=str(tree_dir), GIT_COMMIT=commit, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, str(tree_dir / "benchmarks" / "bench_speculative.py"), *bench_args, "--tag", tag,
            "--out-dir", str(out)]
+    found = sorted(out.glob(f"speculative_*{tag}.json"))
+    if found:  # done by an earlier invocation with the same --out-dir: resume, not repeat
+        print(f"{tree}: {found[0].name} already there", flush=True)
+        return json.loads(found[0].read_text())["rows"]
     t0 = time.perf_counter()
     with open(out / f"{tag.lstrip('_')}.log", "w") as log:
         try:
@@ -100,6 +106,8 @@ def main(argv=None):
     ap.add_argument("--before-args", default="", help="extra bench arguments for the before tree only")
     ap.add_argument("--after-args", default="", help="extra bench arguments for this tree only")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per bench run")
+    ap.add_argument("--budget-s", type=float, default=None, help="start no bench run once the time left is below "
+                    "the longest run so far; run again with the same --out-dir to go on where it stopped")
     ap.add_argument("--name", default="paired_trees")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
@@ -117,17 +125,23 @@ def main(argv=None):
     raw.mkdir(parents=True, exist_ok=True)
     sides = {"before": (before, args.before_commit, shlex.split(args.before_args)),
              "after": (ROOT, env["commit"], shlex.split(args.after_args))}
-    runs = []
+    runs, start, longest = [], time.perf_counter(), 0.0
     for r in range(1, args.rounds + 1):
         for tree in (("before", "after") if r % 2 else ("after", "before")):
+            if args.budget_s is not None and args.budget_s - (time.perf_counter() - start) < longest:
+                print(f"{tree} round {r}: not started, the budget is spent", flush=True)
+                continue
             tree_dir, commit, extra = sides[tree]
+            t0 = time.perf_counter()
             rows = run_tree(tree, tree_dir, commit, bench_args + extra, f"_{tree}_r{r}", raw, args.timeout)
+            longest = max(longest, time.perf_counter() - t0)
             runs.append({"tree": tree, "round": r, "rows": rows})
     cells = summarize(runs)
     header = (f"# {args.before_commit} against {env['commit']}: the same tier sweep, alternated ({env['device']}, "
               f"jax {env['jax']}, {env['date']})\n\n`bench_speculative.py {' '.join(bench_args)}`"
               f"{f' (before also {args.before_args})' if args.before_args else ''}"
-              f"{f' (after also {args.after_args})' if args.after_args else ''}, {args.rounds} rounds, each running "
+              f"{f' (after also {args.after_args})' if args.after_args else ''}, "
+              f"{len({run['round'] for run in runs if run['rows']})} of {args.rounds} rounds, each running "
               "both trees one after the other, the first alternating. tok/s: median over the rounds of each run's "
               "median pass; spread: max / min over the rounds (that tree's own noise); after / before: per round, "
               "then their median.")
