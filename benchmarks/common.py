@@ -21,11 +21,17 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def git_commit() -> str:
+    """$GIT_COMMIT where the caller knows better (a copied tree whose .git is not its own), else
+    HEAD, marked -dirty when the engine's sources differ from it."""
     if os.environ.get("GIT_COMMIT"):
         return os.environ["GIT_COMMIT"]
+    repo = Path(__file__).resolve().parents[1]
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, cwd=Path(__file__).parent).strip()
-    except Exception:
+        head = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, cwd=repo).strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "serving", "dspark_jax", "pallas_kernels"],
+                               cwd=repo).returncode
+        return head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 

@@ -33,7 +33,6 @@ import platform
 import random
 import re
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import git_commit  # noqa: E402
 from benchmarks.load_generator import check_loopback, percentiles  # noqa: E402
 from benchmarks.server_process import launch, stop, wait_healthy  # noqa: E402
 from benchmarks.soak_traffic import PROMPTS, Outcome, Traffic, send  # noqa: E402
@@ -260,15 +260,6 @@ def report(args, info, final_info, outcomes, series, idle, wall, boot_s, health,
 
 def summary(xs: list) -> dict:
     return {"mean": round(sum(xs) / len(xs), 2), "max": max(xs)} if xs else {"mean": None, "max": None}
-
-
-def git_commit() -> str:
-    try:
-        head = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True).strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "serving", "dspark_jax"], cwd=REPO).returncode
-        return head + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def markdown(rep: dict) -> str:

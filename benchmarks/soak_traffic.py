@@ -54,6 +54,8 @@ class Traffic:
         if r < self.bad_rate + self.disconnect_rate:
             req.stream, req.scenario, req.disconnect_after = True, "disconnect", self.rng.randint(1, 4)
             req.body["stream"] = True
+            if req.endpoint != "generate":  # a stream that ends before its disconnect is checked like any other
+                req.body["stream_options"] = {"include_usage": True}
         return req
 
     # sampling parameters, OpenAI names
@@ -263,7 +265,10 @@ class StreamState:
         c.expect(all(f in FINISHED for f in self.finish.values()), f"finish reasons {set(self.finish.values())}")
         if self.req.endpoint == "generate":
             return sum(self.gen_tokens.values())
-        c.expect(self.usage is not None, "no usage chunk")
+        if (self.req.body.get("stream_options") or {}).get("include_usage"):
+            c.expect(self.usage is not None, "no usage chunk")
+        else:  # OpenAI sends usage in a stream only when stream_options asks for it
+            c.expect(self.usage is None, "a usage chunk not asked for")
         used = self.usage or 0
         c.expect(used <= self.req.choices * self.req.max_tokens, f"usage {used}")
         return used
