@@ -70,7 +70,7 @@ class ServerArgs:
     precompile: bool = _opt(True, help="compile every executable on first use instead of at start-up",
                             flag="--no-precompile")
     logit_processors: str = _opt("lazy", help="logprobs, penalties, logit_bias, min_tokens: lazy (compiled on first "
-                                              "use), precompile (at start-up) or off (refused)",
+                                              "use, in the background), precompile (at start-up) or off (refused)",
                                  choices=("lazy", "precompile", "off"))
     # -- parallelism (SGLang's names) --------------------------------------------------------------
     tp_size: int = _opt(1, help="tensor parallelism: devices one engine's model is split over (Megatron style)")

@@ -34,7 +34,8 @@ class EngineConfig:
     seed: int = 0  # draws seeds for requests that do not bring one
     # Penalties, logit bias, min_tokens and logprobs (dspark_jax/logit_processors.py) run in
     # "processed" executables, used only by batches that hold such a request: "lazy" compiles
-    # each on first use (the batch waits; the runner notes the compile), "precompile" with the
+    # each on first use in the background (engine/background_compile.py: the batch goes on
+    # without the requests that need it until it is ready), "precompile" with the
     # others (at start-up unless precompile is off; twice a speculative engine's round
     # executables), "off" refuses such requests and keeps no processor state.
     logit_processors: str = "lazy"

@@ -27,6 +27,7 @@ import numpy as np
 
 from dspark_jax.checkpoint import load_model
 from dspark_jax.config import Qwen3Config
+from dspark_jax.engine.background_compile import BackgroundCompiles, ExecutablePending
 from dspark_jax.engine.config import EngineConfig
 from dspark_jax.engine.model_runner import ModelRunner, batch_ladder, enable_compilation_cache, round_up
 from dspark_jax.engine.request import GenerationResult, Request, Status
@@ -36,7 +37,7 @@ from dspark_jax.errors import InvalidRequestError
 from dspark_jax.grammar.compile import GrammarCompiler
 from dspark_jax.kv_cache import allocate_kv_cache, kv_bytes_per_token
 from dspark_jax.layers.layer_split import split_layers, worth_splitting
-from dspark_jax.logit_processors import MAX_STOP_IDS, LogitProcessors
+from dspark_jax.logit_processors import CONSTRAINED, MAX_STOP_IDS, LogitProcessors
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
 from dspark_jax.page_pool import PagePool
 from dspark_jax.parallel.host import to_host
@@ -129,6 +130,9 @@ class Engine:
         self.processors = None if ec.logit_processors == "off" else LogitProcessors(
             self.runner, slots=ec.max_running_requests, vocab=par.vocab_width(self.config.vocab_size),
             max_len=self.max_model_len, precompile=ec.logit_processors == "precompile", grammar_rows=ec.grammar_states)
+        # lazily compiled processed and constrained executables build beside the running batch
+        self.background = (BackgroundCompiles(lambda lowered: self.runner.compile(lowered, stalls=False))
+                           if self.processors is not None and not self.processors.precompile else None)
         self.prefill_seqs = min(ec.max_prefill_seqs, ec.max_running_requests)
         self.decode_buckets = batch_ladder(ec.max_running_requests)
         self.prefill_buckets = batch_ladder(ec.max_prefill_tokens, start=min(16, ec.max_prefill_tokens))
@@ -329,6 +333,16 @@ class Engine:
             raise ValueError(f"max running must be in [1, {self.ec.max_running_requests}], got {n}")
         self.scheduler.max_running = n
 
+    def compiled(self, cache: dict, key, lower, *, optional: bool = False):
+        """A worker's executable for key, lowered and compiled on first use.  optional: only
+        requests with logit processors or a grammar need it; where those compile lazily it builds
+        in the background and ExecutablePending is raised until it is ready."""
+        if key not in cache:
+            if optional and self.background is not None:
+                return self.background.get(cache, key, lower)
+            cache[key] = self.runner.compile(lower())
+        return cache[key]
+
     # -- stepping ------------------------------------------------------------------------------
     def step(self) -> list[tuple[Request, list[int]]]:
         """Run one scheduling step; returns (request, newly committed ids) for requests that moved.
@@ -337,11 +351,13 @@ class Engine:
             self.calibrate()
         self.scheduler.admit()
         chunks = self.scheduler.next_prefill()
-        if chunks:
-            events = self._drain() + self._prefill(chunks)
-        else:
+        events = self._drain() if chunks else []
+        prefilled = self._prefill(chunks) if chunks else None
+        if prefilled is not None:
+            events += prefilled
+        else:  # nothing to prefill, or every chunk waits on a background compile
             reqs = self.scheduler.decode_batch()
-            events = self._decode(reqs) if reqs else self._drain()
+            events += self._decode(reqs) if reqs else self._drain()
         self._release_finished()
         return events
 
@@ -354,13 +370,21 @@ class Engine:
 
     def _prefill(self, chunks):
         """Prefill prompt chunks; a request whose prompt is now cached starts decoding with its
-        sampled first token."""
-        if self.processors is not None:  # a request's processors before its first token
+        sampled first token.  Chunks of grammar requests whose executable is still compiling
+        wait (None: every chunk waits, and nothing was read)."""
+        if self.processors is not None:  # a request's processors before its first token (again if it waits)
             for r, _ in chunks:
                 if r.num_cached == 0 and r.params.processes_logits:
                     self.processors.install(r)
-        tokens, logprobs = jax.tree.map(to_host, self.worker.prefill(chunks))
+        try:
+            out = self.worker.prefill(chunks)
+        except ExecutablePending:
+            chunks = [(r, n) for r, n in chunks if r.grammar is None]
+            if not chunks:
+                return None
+            out = self.worker.prefill(chunks)
         events = []
+        tokens, logprobs = jax.tree.map(to_host, out)
         for i, (r, n) in enumerate(chunks):
             r.num_cached += n
             if r.num_cached == len(r.prompt_ids):
@@ -373,16 +397,35 @@ class Engine:
         """A decode step or round for every running request, overlapped with reading the last
         one when the worker can feed it on the device."""
         prev = self._inflight
-        if self.overlap and prev is not None and self.worker.feeds(prev, reqs):
-            self._inflight = self.worker.dispatch(reqs, prev)
-            return self.worker.read(prev)
+        if self.overlap and prev is not None:
+            call = self._dispatch(reqs, prev)
+            if call is not None:
+                self._inflight = call
+                return self.worker.read(prev)
         events = self._drain()
         reqs = [r for r in reqs if r.status is not Status.FINISHED]
         if reqs:
-            self._inflight = self.worker.dispatch(reqs, None)
-            if not self.overlap:
-                events += self._drain()
+            call = self._dispatch(reqs, None)
+            if call is None:  # every request waits on a background compile: let it run
+                self.background.wait(0.05)
+            else:
+                self._inflight = call
+                if not self.overlap:
+                    events += self._drain()
         return events
+
+    def _dispatch(self, reqs, prev):
+        """Dispatch reqs (fed by prev, if given and the worker can); while the executable they
+        need compiles in the background, dispatch those of them that need less: requests with a
+        grammar, then those with logit processors, sit the step out.  None: nothing dispatched."""
+        for below in (None, CONSTRAINED, True):
+            batch = reqs if below is None else [r for r in reqs if LogitProcessors.level([r]) < below]
+            if batch and (prev is None or self.worker.feeds(prev, batch)):
+                try:
+                    return self.worker.dispatch(batch, prev)
+                except ExecutablePending:
+                    pass
+        return None
 
     def settle(self) -> None:
         """Read the step in flight, if any, and release what finished: nothing is left running on

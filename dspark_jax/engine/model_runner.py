@@ -155,12 +155,14 @@ class ModelRunner:
         return dict(backend=self.backend, scan_layers=not self.split and (prefill or not self.unroll),
                     norm_backend=self.norm_backend, kv_write_backend=self.kv_write_backend)
 
-    def compile(self, lowered) -> jax.stages.Compiled:
-        """Compile, noting when: time spent compiling on first use is kept out of measured rounds."""
+    def compile(self, lowered, *, stalls: bool = True) -> jax.stages.Compiled:
+        """Compile, noting when: time spent compiling on first use is kept out of measured rounds
+        (stalls=False: a background compile, which holds up no round)."""
         t0 = time.perf_counter()
         with _CPU_COMPILE_LOCK if self.platform == "cpu" else contextlib.nullcontext():
             compiled = lowered.compile(compiler_options=self.compiler_options or None)
-        self._compile_spans.append((t0, time.perf_counter()))
+        if stalls:
+            self._compile_spans.append((t0, time.perf_counter()))
         return compiled
 
     def take_compile_spans(self) -> list[tuple[float, float]]:

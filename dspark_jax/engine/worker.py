@@ -176,15 +176,12 @@ class PlainWorker(Worker):
                  functools.partial(self._executable, T, S, P, v)) for T, S, P, v in self._shapes()]
 
     def _executable(self, T: int, S: int, P: int, variant: str):
-        key = (T, S, P, variant)
-        if key not in self._compiled:
-            runner = self.engine.runner
-            prefill = variant.startswith("any")
-            lstate = self._lstate(variant)
-            samp = prefill_sampling_struct(self.engine, S) if lstate is not None else sampling_struct(S)
-            self._compiled[key] = runner.compile(self._jit[prefill, variant].lower(
-                abstract(runner.state), abstract(runner.cache), abstract(lstate), shape_struct(T, S, P, S), samp))
-        return self._compiled[key]
+        runner, prefill, lstate = self.engine.runner, variant.startswith("any"), self._lstate(variant)
+        samp = prefill_sampling_struct(self.engine, S) if lstate is not None else sampling_struct(S)
+        lower = lambda: self._jit[prefill, variant].lower(  # noqa: E731
+            abstract(runner.state), abstract(runner.cache), abstract(lstate), shape_struct(T, S, P, S), samp)
+        return self.engine.compiled(self._compiled, (T, S, P, variant), lower,
+                                    optional=variant in ("processed", "constrained", "any-constrained"))
 
     def run(self, batch: ForwardBatch, sampling, variant: str):
         """Dispatch one step on a packed batch (variant: "any" or "any-constrained" for prefill,

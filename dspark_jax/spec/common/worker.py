@@ -104,11 +104,10 @@ class DraftWorker(Worker):
         self.dcache = self.drafter_state = None
         self._compiled.clear()
 
-    def executable(self, key, lower):
-        """The compiled executable for key, lowering and compiling it on first use."""
-        if key not in self._compiled:
-            self._compiled[key] = self.engine.runner.compile(lower())
-        return self._compiled[key]
+    def executable(self, key, lower, *, optional: bool = False):
+        """The compiled executable for key, lowering and compiling it on first use (optional:
+        only requests with logit processors or a grammar need it, Engine.compiled)."""
+        return self.engine.compiled(self._compiled, key, lower, optional=optional)
 
     def pack(self, key, abstract_inputs, device_fields: tuple[str, ...] = ()) -> HostPack:
         """The (cached) host-buffer layout of a NamedTuple of inputs or results."""

@@ -33,6 +33,7 @@ from dspark_jax.engine.worker import prefill_batch, prefill_level, prefill_sampl
 from dspark_jax.forward_batch import shape_struct
 from dspark_jax.kv_cache import KVCache
 from dspark_jax.layers.layer_split import split_layers
+from dspark_jax.logit_processors import CONSTRAINED
 from dspark_jax.logprobs import top_width
 from dspark_jax.parallel.host import prefetch, to_host
 from dspark_jax.spec.common.stats import commit_rounds
@@ -223,7 +224,7 @@ class DSparkWorker(DraftWorker):
         lower = lambda: self._prefill_jit.lower(
             abstract(e.runner.state), abstract(self.drafter_state), abstract(e.runner.cache), abstract(self.dcache),
             abstract(self.lstate(level)), shape_struct(T, S, e.pages_per_seq, S), prefill_sampling_struct(e, S))
-        return self.executable(("prefill", T, S, level), lower)
+        return self.executable(("prefill", T, S, level), lower, optional=level == CONSTRAINED)
 
     def _input_pack(self, S: int, P: int):
         shapes = SpecInputs.shapes(S, P, self.engine.ec.max_running_requests, self.rounds)
@@ -242,7 +243,7 @@ class DSparkWorker(DraftWorker):
             abstract(e.runner.state), abstract(self.drafter_state), abstract(e.runner.cache), abstract(self.dcache),
             abstract(self.lstate(processed)), pack.spec(), abstract(self._no_feed), abstract(self.sts_temperatures),
             num_tokens=T, pack=pack, out_pack=self._result_pack(S, processed))
-        return self.executable(("round", mode, T, S, P, processed), lower)
+        return self.executable(("round", mode, T, S, P, processed), lower, optional=bool(processed))
 
     # -- steps ---------------------------------------------------------------------------------
     def prefill(self, chunks):
@@ -283,7 +284,7 @@ class DSparkWorker(DraftWorker):
             slots = np.array([r.slot for r in reqs], np.int64)
             self._batch_slots = (batch, slots, np.array([r.slot_generation for r in reqs], np.int64))
         _, slots, generations = self._batch_slots
-        step, self._step = self._step, self._step + self.rounds
+        step = self._step
         plan = plan_call(bs, self._decisions(bs, step, slots, generations), gamma=G, mode=self.mode, tiers=self.tiers,
                          fill_tier=self._trims,
                          price=self.scheduler.price if self._trims else None)
@@ -309,6 +310,7 @@ class DSparkWorker(DraftWorker):
                          fed_anchor=fed[0], fed_start=fed[1], fed_index=fed_index)
         P, processed = arrays.table.shape[1], arrays.processed
         fn = self._round_executable(plan.mode, plan.tier, S, P, processed)  # compiled before the clock starts
+        self._step = step + self.rounds  # (not before: a dispatch that waits on a compile changes nothing)
         runner, pack = self.engine.runner, self._input_pack(S, P)
         t0 = time.perf_counter()
         results, (next_anchor, next_start), runner.cache, self.dcache, lstate = fn(

@@ -22,6 +22,7 @@ from dspark_jax.engine.model_runner import abstract
 from dspark_jax.engine.request import Request
 from dspark_jax.engine.worker import prefill_batch, prefill_level, prefill_sampling_struct, prefill_shapes
 from dspark_jax.forward_batch import shape_struct
+from dspark_jax.logit_processors import CONSTRAINED
 from dspark_jax.logprobs import top_width
 from dspark_jax.parallel.host import to_host
 from dspark_jax.spec.common.stats import commit_rounds
@@ -103,7 +104,7 @@ class MTPWorker(DraftWorker):
             abstract(self.lstate(level)), shape_struct(T, S, e.pages_per_seq, S), prefill_sampling_struct(e, S),
             jax.ShapeDtypeStruct((T,), np.int32),
             jax.ShapeDtypeStruct((S,), np.int32))
-        return self.executable(("prefill", T, S, level), lower)
+        return self.executable(("prefill", T, S, level), lower, optional=level == CONSTRAINED)
 
     def _results_pack(self, S: int, processed: int | bool = False):
         top = top_width(self.engine.config.vocab_size) if processed else 0
@@ -118,7 +119,7 @@ class MTPWorker(DraftWorker):
             abstract(e.runner.state), abstract(self.drafter_state), *abstract(self._caches()),
             abstract(self.lstate(processed)), pack.spec(), (), num_tokens=T, pack=pack,
             out_pack=self._results_pack(S, processed))
-        return self.executable(("round", T, S, P, processed), lower)
+        return self.executable(("round", T, S, P, processed), lower, optional=bool(processed))
 
     # -- steps ---------------------------------------------------------------------------------
     def prefill(self, chunks):

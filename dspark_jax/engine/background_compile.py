@@ -1,0 +1,59 @@
+"""Executables only some requests need, compiled off the engine's thread.
+
+Penalties, logit bias, min_tokens, logprobs and grammars run in executables of their own
+("processed" and "constrained" variants), which a lazily compiling engine builds on first use.
+Built in the loop, each would stop the whole batch for as long as an 8B step takes to compile;
+built here, the batch goes on without the requests that need it, which join once it is ready.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+
+
+class ExecutablePending(Exception):
+    """The executable a dispatch asked for is still compiling in the background; nothing was
+    dispatched or changed."""
+
+
+class BackgroundCompiles:
+    """One compile thread and the executables it is building, each bound for a worker's cache."""
+
+    def __init__(self, compile_fn: Callable):
+        """compile_fn(lowered) -> compiled (the runner's, without noting a stall)."""
+        self._compile = compile_fn
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: dict = {}  # (id(cache), key) -> (cache, key, future)
+
+    def get(self, cache: dict, key, lower: Callable):
+        """cache[key] once its background compile has finished; else starts that compile (once)
+        and raises ExecutablePending.  A compile error is raised here, on the caller's thread."""
+        self._collect()
+        if key in cache:
+            return cache[key]
+        if (id(cache), key) not in self._pending:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dspark-compile")
+            self._pending[id(cache), key] = (cache, key, self._pool.submit(lambda: self._compile(lower())))
+        raise ExecutablePending(key)
+
+    def _collect(self) -> None:
+        """Move finished compiles into their caches (on the caller's thread, so a cache never
+        changes under a reader)."""
+        for ident, (cache, key, future) in list(self._pending.items()):
+            if future.done():
+                del self._pending[ident]
+                cache[key] = future.result()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a compile is still running or queued."""
+        return any(not future.done() for _, _, future in self._pending.values())
+
+    def wait(self, timeout: float) -> None:
+        """Block until one pending compile finishes or timeout seconds pass (for a loop whose
+        every request waits on one)."""
+        running = [future for _, _, future in self._pending.values() if not future.done()]
+        if running:
+            concurrent.futures.wait(running, timeout, concurrent.futures.FIRST_COMPLETED)
