@@ -1,0 +1,62 @@
+"""What an engine is built from and compiled with at start-up: the worker a drafter calls for,
+and every executable of several engines compiled at once, on all of a GPU host's cores."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import time
+
+from dspark_jax.engine.worker import PlainWorker, Worker
+
+log = logging.getLogger(__name__)
+
+
+def make_worker(drafter=None, spec=None) -> Worker:
+    """The worker of a drafter (DSpark or MTP, by its type), or the plain one."""
+    if drafter is None:
+        if spec is not None:
+            raise ValueError("a speculative config needs a drafter")
+        return PlainWorker()
+    from dspark_jax.spec.config import SpeculativeConfig
+    from dspark_jax.spec.dspark.model import DSparkDrafter
+    from dspark_jax.spec.mtp.model import MTPDrafter
+
+    if isinstance(drafter, DSparkDrafter):
+        from dspark_jax.spec.dspark.worker import DSparkWorker
+
+        return DSparkWorker(drafter, spec or SpeculativeConfig())
+    if isinstance(drafter, MTPDrafter):
+        from dspark_jax.spec.mtp.worker import MTPWorker
+
+        return MTPWorker(drafter, spec or SpeculativeConfig(algorithm="mtp"))
+    raise TypeError(f"unknown drafter type {type(drafter).__name__}")
+
+
+def compile_engines(engines, progress=None) -> float:
+    """Compile every executable the engines' workers run, several at a time on a GPU host (XLA
+    compiles outside the GIL, so the host's cores share the work), logging progress; returns
+    seconds spent.
+    progress(done, total, label), if given, is called with (0, total, None) first, then as each
+    executable is compiled (e.g. to draw a progress bar)."""
+    todo = [(label, build) for e in engines for label, build in e.executables()]
+    t0 = time.perf_counter()
+    if progress is not None:
+        progress(0, len(todo), None)
+    # On the CPU one thread builds them all, a guard against XLA:CPU's aborts in the persistent
+    # cache read that has not stopped them (model_runner.py, docs/decisions.md).
+    cpu = any(getattr(e.runner, "platform", None) == "cpu" for e in engines)
+    threads = 1 if cpu else max(1, min(len(todo), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:
+        futures = {pool.submit(build): label for label, build in todo}
+        for i, done in enumerate(concurrent.futures.as_completed(futures), 1):
+            done.result()
+            spent = time.perf_counter() - t0
+            log.info("compiled %d/%d (%s) at %.0f s, about %.0f s left", i, len(todo), futures[done], spent,
+                     spent / i * (len(todo) - i))
+            if progress is not None:
+                progress(i, len(todo), futures[done])
+    for e in engines:
+        e.runner.take_compile_spans()
+    return time.perf_counter() - t0
