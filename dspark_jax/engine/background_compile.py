@@ -9,7 +9,11 @@ built here, the batch goes on without the requests that need it, which join once
 from __future__ import annotations
 
 import concurrent.futures
+import logging
+import time
 from collections.abc import Callable
+
+log = logging.getLogger(__name__)
 
 
 class ExecutablePending(Exception):
@@ -24,7 +28,7 @@ class BackgroundCompiles:
         """compile_fn(lowered) -> compiled (the runner's, without noting a stall)."""
         self._compile = compile_fn
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pending: dict = {}  # (id(cache), key) -> (cache, key, future)
+        self._pending: dict = {}  # (id(cache), key) -> (cache, key, future, start time)
 
     def get(self, cache: dict, key, lower: Callable):
         """cache[key] once its background compile has finished; else starts that compile (once)
@@ -35,25 +39,28 @@ class BackgroundCompiles:
         if (id(cache), key) not in self._pending:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dspark-compile")
-            self._pending[id(cache), key] = (cache, key, self._pool.submit(lambda: self._compile(lower())))
+            self._pending[id(cache), key] = (cache, key, self._pool.submit(lambda: self._compile(lower())),
+                                             time.perf_counter())
+            log.info("compiling %s in the background; the requests that need it wait", key)
         raise ExecutablePending(key)
 
     def _collect(self) -> None:
         """Move finished compiles into their caches (on the caller's thread, so a cache never
         changes under a reader)."""
-        for ident, (cache, key, future) in list(self._pending.items()):
+        for ident, (cache, key, future, t0) in list(self._pending.items()):
             if future.done():
                 del self._pending[ident]
                 cache[key] = future.result()
+                log.info("%s ready, %.1f s after its background compile started", key, time.perf_counter() - t0)
 
     @property
     def busy(self) -> bool:
         """Whether a compile is still running or queued."""
-        return any(not future.done() for _, _, future in self._pending.values())
+        return any(not future.done() for _, _, future, _ in self._pending.values())
 
     def wait(self, timeout: float) -> None:
         """Block until one pending compile finishes or timeout seconds pass (for a loop whose
         every request waits on one)."""
-        running = [future for _, _, future in self._pending.values() if not future.done()]
+        running = [future for _, _, future, _ in self._pending.values() if not future.done()]
         if running:
             concurrent.futures.wait(running, timeout, concurrent.futures.FIRST_COMPLETED)
