@@ -126,10 +126,13 @@ class EngineLoop:
         self._commands.put(("abort_all",))
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Abort everything and end the thread."""
+        """Abort everything and end the thread (and the engine's queued background compiles)."""
         self._commands.put(("stop",))
         if self._thread.is_alive():
             self._thread.join(timeout)
+        background = getattr(self.engine, "background", None)
+        if background is not None:
+            background.close()
 
     def _closed_error(self) -> Exception:
         if self.error is not None:

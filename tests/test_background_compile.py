@@ -5,6 +5,7 @@ and logprobs of an engine that compiled the same executables in its loop."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -69,3 +70,22 @@ def test_a_failed_background_compile_reaches_the_loop(target):  # noqa: F811
     with pytest.raises(RuntimeError, match="compiler gave up"):
         for _ in range(200):
             eng.step()
+
+
+def test_closing_drops_queued_compiles():
+    """At shutdown only the compile already running is waited for; queued ones never start."""
+    from dspark_jax.engine.background_compile import BackgroundCompiles, ExecutablePending
+
+    gate, started = threading.Event(), []
+    bg = BackgroundCompiles(lambda lowered: started.append(lowered) or gate.wait(60))
+    cache: dict = {}
+    for key in ("a", "b", "c"):
+        with pytest.raises(ExecutablePending):
+            bg.get(cache, key, lambda key=key: key)
+    futures = [f for _, _, f, _ in bg._pending.values()]
+    while not started:  # the first compile is running before the shutdown
+        time.sleep(0.01)
+    bg.close()
+    gate.set()
+    futures[0].result(timeout=60)
+    assert started == ["a"] and all(f.cancelled() for f in futures[1:]) and not bg.busy

@@ -58,6 +58,14 @@ class BackgroundCompiles:
         """Whether a compile is still running or queued."""
         return any(not future.done() for _, _, future, _ in self._pending.values())
 
+    def close(self) -> None:
+        """Drop the compiles still queued (one running finishes), so shutting down waits for at
+        most one."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        self._pending.clear()
+
     def wait(self, timeout: float) -> None:
         """Block until one pending compile finishes or timeout seconds pass (for a loop whose
         every request waits on one)."""
