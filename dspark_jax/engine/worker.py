@@ -176,10 +176,12 @@ class PlainWorker(Worker):
                  functools.partial(self._executable, T, S, P, v)) for T, S, P, v in self._shapes()]
 
     def _executable(self, T: int, S: int, P: int, variant: str):
-        runner, prefill, lstate = self.engine.runner, variant.startswith("any"), self._lstate(variant)
-        samp = prefill_sampling_struct(self.engine, S) if lstate is not None else sampling_struct(S)
-        lower = lambda: self._jit[prefill, variant].lower(  # noqa: E731
-            abstract(runner.state), abstract(runner.cache), abstract(lstate), shape_struct(T, S, P, S), samp)
+        def lower():  # only on a miss: _executable runs on every step
+            runner, lstate = self.engine.runner, self._lstate(variant)
+            samp = prefill_sampling_struct(self.engine, S) if lstate is not None else sampling_struct(S)
+            return self._jit[variant.startswith("any"), variant].lower(
+                abstract(runner.state), abstract(runner.cache), abstract(lstate), shape_struct(T, S, P, S), samp)
+
         return self.engine.compiled(self._compiled, (T, S, P, variant), lower,
                                     optional=variant in ("processed", "constrained", "any-constrained"))
 
