@@ -113,6 +113,9 @@ def build_engine(args: ServerArgs):
         redirect = logging_redirect_tqdm()  # log lines above the bar, not through it
     with redirect:  # (a compact DSpark engine also derives or reads its cost table here)
         engine.prepare(progress)
+    # Traffic may ask for logprobs or penalties at once: the rounds that hold any such batch
+    # start compiling now, in the background, rather than on the first request that needs one.
+    engine.worker.warm_processed()
     return engine
 
 

@@ -55,8 +55,17 @@ def test_a_compiling_processed_executable_holds_up_only_its_requests(target, arm
     assert got.token_ids == want[1].token_ids
     assert got.logprobs == pytest.approx(want[1].logprobs, abs=1e-5)
     assert got.top_logprobs is not None and len(got.top_logprobs) == len(got.token_ids)
-    assert not eng.background.busy
+    _wait_idle(eng.background)
     eng.pool.check_invariants()
+
+
+def _wait_idle(bg, timeout: float = 120) -> None:
+    """Until every queued compile has finished (shapes a finished request asked for go on
+    compiling after it, for the requests to come)."""
+    deadline = time.time() + timeout
+    while bg.busy and time.time() < deadline:
+        time.sleep(0.05)
+    assert not bg.busy
 
 
 def test_a_failed_background_compile_reaches_the_loop(target):  # noqa: F811
@@ -89,3 +98,95 @@ def test_closing_drops_queued_compiles():
     gate.set()
     futures[0].result(timeout=60)
     assert started == ["a"] and all(f.cancelled() for f in futures[1:]) and not bg.busy
+
+
+def _widest(eng, arm: str):
+    """key -> the widest shape of key's kind, as the worker names it."""
+    if arm == "plain":
+        return lambda key: eng.worker._widest(key[-1])
+    if arm == "compact":
+        return lambda key: eng.worker._largest_round(key[1], key[-1])
+    return lambda key: eng.worker._largest_round(key[-1])
+
+
+@pytest.mark.parametrize("arm", ["plain", "compact", "mtp"])
+def test_processed_steps_run_padded_on_the_widest_shape_while_their_own_compiles(target, arm):  # noqa: F811
+    """The widest processed step is asked for first; once it is compiled, a processed request
+    no longer waits on the compile of its own shape (held here until the end): its steps run
+    padded to the widest tokens, rows and pages, and commit the tokens and logprobs of an engine
+    that compiled every shape in its loop."""
+    want = _engine(target, arm, logit_processors="precompile", min_context_bucket=16).generate(PROMPTS, PARAMS)
+    eng = _engine(target, arm, min_context_bucket=16)
+    assert len(eng.page_widths) > 1  # narrower page tables exist, so the padding covers pages too
+    largest = _widest(eng, arm)
+    queued, bg = [], eng.background
+    get, compile_fn, gate = bg.get, bg._compile, threading.Event()
+
+    def recording_get(cache, key, lower):
+        if key not in cache and (id(cache), key) not in bg._pending:
+            queued.append(key)
+        return get(cache, key, lower)
+
+    def widest_only(lowered):  # the compile thread runs them in the order queued
+        key = queued[len(compiled)]
+        compiled.append(key)
+        if key != largest(key) and not gate.wait(30):
+            raise RuntimeError(f"{key} was waited for")
+        return compile_fn(lowered)
+
+    compiled: list = []
+    bg.get, bg._compile = recording_get, widest_only
+    got = eng.generate(PROMPTS, PARAMS)
+    assert queued and queued[0] == largest(queued[0])
+    held = [k for k in queued if k != largest(k)]
+    assert held and bg.busy  # the processed request's own shapes are still compiling
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert got[1].logprobs == pytest.approx(want[1].logprobs, abs=1e-5)
+    gate.set()
+    _wait_idle(bg)
+    eng.pool.check_invariants()
+
+
+@pytest.mark.parametrize("arm", ["plain", "compact", "mtp"])
+def test_warming_queues_every_widest_processed_step(target, arm):  # noqa: F811
+    """What a server queues once it is up: the widest processed step of every kind the worker
+    runs (the shapes any processed batch can run padded on), each compiled off the loop."""
+    eng = _engine(target, arm)
+    widest = [eng.worker._widest("processed")] if arm == "plain" else eng.worker.widest_rounds(True)
+    assert widest and all(k[-3] == max(eng.decode_buckets) and k[-2] == max(eng.page_widths) for k in widest)
+    assert [_widest(eng, arm)(k) for k in widest] == widest
+    assert not any(k in eng.worker._compiled for k in widest)
+    eng.worker.warm_processed()
+    assert eng.background.busy
+    _wait_idle(eng.background)
+    eng.background._collect()
+    assert all(k in eng.worker._compiled for k in widest)
+
+
+def test_a_cover_is_the_narrowest_compiled_shape_at_least_as_wide():
+    from dspark_jax.engine.background_compile import ExecutablePending, own_or_cover
+
+    cache = {("round", "compact", 64, 8, 4, True): "a", ("round", "compact", 32, 8, 8, True): "b",
+             ("round", "compact", 128, 16, 8, True): "c", ("round", "static", 16, 2, 2, True): "d",
+             ("round", "compact", 16, 2, 2, False): "e", ("prefill", 64, 8, True): "f"}
+    asked = []
+
+    def get(key):
+        asked.append(key)
+        if key not in cache:
+            raise ExecutablePending(key)
+        return cache[key]
+
+    own = ("round", "compact", 16, 2, 2, True)
+    widest = ("round", "compact", 128, 16, 8, True)
+    assert own_or_cover(cache, own, get, dims=(2, 3, 4), widest=widest) == (("round", "compact", 32, 8, 8, True), "b")
+    assert asked == [widest, own]  # the widest first
+    # pages 8 wanted: "a" (4 pages) no longer holds it, nor does anything of another mode or level
+    assert own_or_cover(cache, own[:4] + (8, True), get, dims=(2, 3, 4), widest=None)[1] == "b"
+    assert own_or_cover(cache, ("round", "compact", 16, 2, 2, False), get, dims=(2, 3, 4), widest=None)[1] == "e"
+    # tokens and rows fixed (a fed step): only shapes with exactly those qualify
+    with pytest.raises(ExecutablePending):
+        own_or_cover(cache, ("round", "compact", 16, 2, 2, True), get, dims=(4,), widest=None)
+    with pytest.raises(ExecutablePending):
+        own_or_cover(cache, ("round", "compact", 256, 16, 8, True), get, dims=(2, 3, 4), widest=None)
+    assert own_or_cover(cache, ("round", "compact", 32, 8, 8, True), get, dims=(2, 3, 4), widest=None)[1] == "b"

@@ -72,3 +72,26 @@ class BackgroundCompiles:
         running = [future for _, _, future, _ in self._pending.values() if not future.done()]
         if running:
             concurrent.futures.wait(running, timeout, concurrent.futures.FIRST_COMPLETED)
+
+
+def own_or_cover(cache: dict, key: tuple, get: Callable, *, dims: tuple[int, ...], widest: tuple | None):
+    """(key, executable) of a step that only some requests need: key's own, or while that
+    compiles in the background, the narrowest compiled key as wide or wider at the positions
+    ``dims`` (tokens, rows, pages: the step runs padded) and equal to key elsewhere.
+    get(key) returns key's executable or raises ExecutablePending.  ``widest`` (a shape that
+    holds any batch of key's kind) is asked for first, so after one compile nothing waits."""
+    if widest is not None and widest != key:
+        try:
+            get(widest)
+        except ExecutablePending:
+            pass
+    try:
+        return key, get(key)
+    except ExecutablePending:
+        wide = {d % len(key) for d in dims}
+        covers = [k for k in cache if isinstance(k, tuple) and len(k) == len(key)
+                  and all(k[i] >= key[i] if i in wide else k[i] == key[i] for i in range(len(key)))]
+        if not covers:
+            raise
+        cover = min(covers, key=lambda k: [k[i] for i in sorted(wide)])
+        return cover, cache[cover]

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from dspark_jax.engine.background_compile import ExecutablePending, own_or_cover
 from dspark_jax.engine.flat_state import with_flat_states
 from dspark_jax.engine.model_runner import abstract, round_up
 from dspark_jax.engine.request import Request, Status
@@ -47,6 +48,10 @@ class Worker:
     def executables(self) -> list[tuple[str, Callable[[], object]]]:
         """(label, compile thunk) of every executable the worker runs, for start-up."""
         return []
+
+    def warm_processed(self) -> None:
+        """At start-up, once the executables are compiled: queue on the background compile
+        thread the processed executables that any batch can run padded on."""
 
     def calibrate(self, cached_only: bool = False) -> None:
         """Runs once the executables are compiled (e.g. to profile this device's step costs);
@@ -204,7 +209,19 @@ class PlainWorker(Worker):
         return self.run(*prefill_batch(self.engine, chunks), "any" if prefill_level(chunks) is True else "any-constrained")
 
     def feeds(self, prev, reqs):
-        return prev.reqs == reqs
+        """The same batch at its own width (a step padded onto a wider shape feeds nothing)."""
+        return prev.reqs == reqs and prev.tokens.shape[0] == round_up(len(reqs), self.engine.decode_buckets)
+
+    def warm_processed(self) -> None:
+        if self.engine.background is not None:
+            try:
+                self._executable(*self._widest("processed"))
+            except ExecutablePending:
+                pass
+
+    def _widest(self, variant: str) -> tuple:
+        e = self.engine
+        return max(e.decode_buckets), max(e.decode_buckets), max(e.page_widths), variant
 
     def dispatch(self, reqs, prev):
         """prev: the in-flight step for the same batch, whose device tokens (one ahead of the
@@ -213,15 +230,18 @@ class PlainWorker(Worker):
         ahead = 0 if prev is None else 1
         B = round_up(len(reqs), e.decode_buckets)
         P = e.page_width(max(r.total_len for r in reqs) + ahead)
+        level = LogitProcessors.level(reqs)
+        if level:  # while its own shape compiles in the background, a wider one (if not fed)
+            variant = "constrained" if level == CONSTRAINED else "processed"
+            (B, _, P, _), _ = own_or_cover(self._compiled, (B, B, P, variant), lambda k: self._executable(*k),
+                                           dims=(2,) if prev is not None else (0, 1, 2), widest=self._widest(variant))
         seqs = [(np.asarray(r.output_ids[-1:]), r.total_len - 1 + ahead, e.pool.pages(r.id)[:P]) for r in reqs]
         batch = build_forward_batch(seqs, page_size=e.pool.page_size, num_tokens=B, num_seqs=B, pages_per_seq=P)
         if prev is not None:
             batch = batch._replace(input_ids=prev.tokens)
         sampling = sampling_arrays([r.params for r in reqs], [r.seed for r in reqs],
                                    [r.total_len + ahead for r in reqs], B)
-        level = LogitProcessors.level(reqs)
         if level:
-            variant = "constrained" if level == CONSTRAINED else "processed"
             tokens, lp = self.run(batch, sampling + (LogitProcessors.slots(reqs, B),), variant)
             for x in lp:
                 prefetch(x)

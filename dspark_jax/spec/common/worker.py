@@ -9,6 +9,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from dspark_jax.engine.background_compile import ExecutablePending
 from dspark_jax.engine.flat_state import flatten_states, with_flat_states
 from dspark_jax.engine.host_pack import HostPack, with_packed_inputs, with_packed_outputs
 from dspark_jax.engine.worker import Worker
@@ -109,6 +110,20 @@ class DraftWorker(Worker):
         only requests with logit processors or a grammar need it, Engine.compiled)."""
         return self.engine.compiled(self._compiled, key, lower, optional=optional)
 
+    def widest_rounds(self, processed: int | bool) -> list[tuple]:
+        """The key of the widest shape (most tokens, rows and pages) of every kind of round the
+        worker may run."""
+        raise NotImplementedError
+
+    def warm_processed(self) -> None:
+        """Queues the widest processed round of every kind (where processed rounds compile in
+        the background)."""
+        for key in self.widest_rounds(True) if self.engine.background is not None else ():
+            try:
+                self._round_executable(*key[1:])
+            except ExecutablePending:
+                pass
+
     def pack(self, key, abstract_inputs, device_fields: tuple[str, ...] = ()) -> HostPack:
         """The (cached) host-buffer layout of a NamedTuple of inputs or results."""
         if key not in self._packs:
@@ -116,13 +131,13 @@ class DraftWorker(Worker):
         return self._packs[key]
 
     # -- host inputs ---------------------------------------------------------------------------
-    def round_arrays(self, reqs, S: int) -> RoundArrays:
+    def round_arrays(self, reqs, S: int, pages: int | None = None) -> RoundArrays:
         """Host arrays of a round for reqs padded to S rows: live mask, page tables (as wide as
-        the round's context bucket), sampling parameters and logit-processor rows.  A serving
-        batch keeps its requests for many rounds: the last batch's arrays are reused."""
+        the round's context bucket, or ``pages``), sampling parameters and logit-processor rows.
+        A serving batch keeps its requests for many rounds: the last batch's arrays are reused."""
         e = self.engine
         bs = len(reqs)
-        P = e.page_width(max((r.total_len for r in reqs), default=0) + self.lookahead)
+        P = pages or e.page_width(max((r.total_len for r in reqs), default=0) + self.lookahead)
         key = (S, P, tuple(reqs))  # the request objects themselves: ids may be reused once one ends
         if self._last_arrays is not None and self._last_arrays[0] == key:
             return self._last_arrays[1]

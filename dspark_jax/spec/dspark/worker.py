@@ -27,6 +27,7 @@ import numpy as np
 
 from dspark_jax.calibration.metrics import ConfidenceMetricsAccumulator
 from dspark_jax.calibration.sts import StsCalibration
+from dspark_jax.engine.background_compile import own_or_cover
 from dspark_jax.engine.model_runner import abstract
 from dspark_jax.engine.request import Request, Status
 from dspark_jax.engine.worker import prefill_batch, prefill_level, prefill_sampling_struct, prefill_shapes
@@ -211,7 +212,7 @@ class DSparkWorker(DraftWorker):
         out = [(f"dspark prefill tokens={T} seqs={S}", functools.partial(self._prefill_executable, T, S))
                for T, S in prefill_shapes(e)]
         shapes = [(self.mode, T, S) for T, S in self.tiers.shapes(trimmed=self.mode != "static")]
-        if self._derive or (self._schedules and self.scheduler.can_decode):
+        if self._decodes:
             shapes += [(mode, T, T) for T in e.decode_buckets for mode in DECODE_MODES]
         for mode, T, S in shapes:
             out += [(f"dspark {mode} round tokens={T} rows={S} pages={P}{' processed' if processed else ''}",
@@ -225,6 +226,21 @@ class DSparkWorker(DraftWorker):
             abstract(e.runner.state), abstract(self.drafter_state), abstract(e.runner.cache), abstract(self.dcache),
             abstract(self.lstate(level)), shape_struct(T, S, e.pages_per_seq, S), prefill_sampling_struct(e, S))
         return self.executable(("prefill", T, S, level), lower, optional=level == CONSTRAINED)
+
+    @property
+    def _decodes(self) -> bool:
+        """Whether rounds may be plain decode steps (a cost table that can say no window pays)."""
+        return bool(self._derive or (self._schedules and self.scheduler.can_decode))
+
+    def widest_rounds(self, processed: int | bool) -> list[tuple]:
+        return [self._largest_round(mode, processed) for mode in (self.mode, *(DECODE_MODES if self._decodes else ()))]
+
+    def _largest_round(self, mode: str, processed: int | bool) -> tuple:
+        """The key of a round kind's widest shape: the most tokens, rows and pages it compiles."""
+        e = self.engine
+        T, S = ((max(e.decode_buckets),) * 2 if mode in DECODE_MODES
+                else max(self.tiers.shapes(trimmed=mode != "static")))
+        return ("round", mode, T, S, max(e.page_widths), processed)
 
     def _input_pack(self, S: int, P: int):
         shapes = SpecInputs.shapes(S, P, self.engine.ec.max_running_requests, self.rounds)
@@ -288,10 +304,17 @@ class DSparkWorker(DraftWorker):
         plan = plan_call(bs, self._decisions(bs, step, slots, generations), gamma=G, mode=self.mode, tiers=self.tiers,
                          fill_tier=self._trims,
                          price=self.scheduler.price if self._trims else None)
-        S = plan.rows
-        arrays = self.round_arrays(reqs, S)
+        arrays = self.round_arrays(reqs, plan.rows)
         if plan.mode == "decode":
             plan = dataclasses.replace(plan, mode=decode_mode(arrays.temperature))
+        P, processed = arrays.table.shape[1], arrays.processed
+        key, fn = own_or_cover(self._compiled, ("round", plan.mode, plan.tier, plan.rows, P, processed),
+                               lambda k: self._round_executable(*k[1:]), dims=(2, 3, 4),  # compiled before the clock
+                               widest=self._largest_round(plan.mode, processed) if processed else None)
+        if key[2:5] != (plan.tier, plan.rows, P):  # padded onto a wider shape (not the one priced)
+            plan = dataclasses.replace(plan, tier=key[2], rows=key[3], predicted_s=None)
+            arrays, P = self.round_arrays(reqs, key[3], pages=key[4]), key[4]
+        S = plan.rows
         fed_index = np.full(S, -1, np.int32)
         if prev is not None and prev.reqs == reqs:  # the same batch as the call in flight: fed row by row
             fed_index[:bs] = np.arange(bs, dtype=np.int32)
@@ -308,8 +331,6 @@ class DSparkWorker(DraftWorker):
                          budget=np.asarray(plan.budgets, np.int32), temperature=arrays.temperature,
                          top_k=arrays.top_k, top_p=arrays.top_p, seed=arrays.seed, logit_slot=arrays.logit_slot,
                          fed_anchor=fed[0], fed_start=fed[1], fed_index=fed_index)
-        P, processed = arrays.table.shape[1], arrays.processed
-        fn = self._round_executable(plan.mode, plan.tier, S, P, processed)  # compiled before the clock starts
         self._step = step + self.rounds  # (not before: a dispatch that waits on a compile changes nothing)
         runner, pack = self.engine.runner, self._input_pack(S, P)
         t0 = time.perf_counter()

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax.engine.background_compile import own_or_cover
 from dspark_jax.engine.model_runner import abstract
 from dspark_jax.engine.request import Request
 from dspark_jax.engine.worker import prefill_batch, prefill_level, prefill_sampling_struct, prefill_shapes
@@ -83,6 +84,14 @@ class MTPWorker(DraftWorker):
         T = self.tiers.round_up(batch_size * (self.num_steps + 1))
         return T, T // (self.num_steps + 1)
 
+    def widest_rounds(self, processed: int | bool) -> list[tuple]:
+        return [self._largest_round(processed)]
+
+    def _largest_round(self, processed: int | bool) -> tuple:
+        """The key of the widest round: the most tokens, rows and pages compiled."""
+        e = self.engine
+        return ("round", *self._round_shape(max(e.decode_buckets)), max(e.page_widths), processed)
+
     def executables(self):
         e = self.engine
         out = [(f"mtp prefill tokens={T} seqs={S}", functools.partial(self._prefill_executable, T, S))
@@ -145,14 +154,19 @@ class MTPWorker(DraftWorker):
         bs = len(reqs)
         T, S = self._round_shape(bs)
         a = self.round_arrays(reqs, S)
+        P = a.table.shape[1]
+        (_, T, S, P, _), fn = own_or_cover(self._compiled, ("round", T, S, P, a.processed),
+                                           lambda k: self._round_executable(*k[1:]), dims=(1, 2, 3),
+                                           widest=self._largest_round(a.processed) if a.processed else None)
+        if a.table.shape != (S, P):  # padded onto a wider shape while its own compiles
+            a = self.round_arrays(reqs, S, pages=P)
         column = lambda values: np.concatenate([np.asarray(values, np.int32), np.zeros(S - bs, np.int32)])
         inp = MTPInputs(anchor=column([r.output_ids[-1] for r in reqs]), start=column([r.total_len - 1 for r in reqs]),
                         page_table=a.table, live=a.live, num_seqs=np.int32(bs), slot=column([r.slot for r in reqs]),
                         temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
                         logit_slot=a.logit_slot)
-        P = a.table.shape[1]
         runner = self.engine.runner
-        results, _, runner.cache, self.dcache, self.pending, lstate = self._round_executable(T, S, P, a.processed)(
+        results, _, runner.cache, self.dcache, self.pending, lstate = fn(
             runner.state, self.drafter_state, *self._caches(), self.lstate(a.processed),
             self.pack(("inputs", S, P), inp).pack(inp), ())
         self.keep_lstate(lstate)
