@@ -113,9 +113,6 @@ def build_engine(args: ServerArgs):
         redirect = logging_redirect_tqdm()  # log lines above the bar, not through it
     with redirect:  # (a compact DSpark engine also derives or reads its cost table here)
         engine.prepare(progress)
-    # Traffic may ask for logprobs or penalties at once: the rounds that hold any such batch
-    # start compiling now, in the background, rather than on the first request that needs one.
-    engine.worker.warm_processed()
     return engine
 
 
@@ -161,6 +158,11 @@ def main(argv=None) -> int:
             engines = [build_engine(args)] if args.dp_size == 1 else args.build_engines()
     except (ValueError, OSError, DsparkError) as e:
         ap.error(str(e))
+    if args.nnodes == 1:  # one host (engines spread over several hosts compile on first use)
+        # Traffic may ask for logprobs or penalties at once: the steps that hold any such batch
+        # start compiling now, in the background, rather than on the first request that needs one.
+        for replica in engines:
+            replica.worker.warm_processed()
     engine = engines[0]
     if host_replicas:  # rank 0 serves and routes to every host's replicas; the others follow
         from dspark_jax.parallel.host_replicas import HostReplicas, follow_replicas

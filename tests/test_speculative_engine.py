@@ -15,12 +15,12 @@ from dspark_jax.checkpoint import load_model
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.layers.layer_split import is_split
 from dspark_jax.sampling import SamplingParams
+from dspark_jax.spec.common.stats import round_seconds
 from dspark_jax.spec.config import SpeculativeConfig
 from dspark_jax.spec.dspark.config import DSparkConfig
 from dspark_jax.spec.dspark.cost_model import AdditiveCostTable
 from dspark_jax.spec.dspark.model import DSparkDrafter
 from dspark_jax.spec.dspark.synthetic import synthetic_round, time_round
-from dspark_jax.spec.dspark.worker import round_seconds
 from dspark_jax.tokenizer import Tokenizer
 from tests.stats import assert_counts_fit
 

@@ -62,3 +62,13 @@ def summarize_rounds(stats: dict, gamma: int) -> dict:
                    window_histogram=np.bincount(win.astype(int), minlength=gamma + 2).tolist(),
                    block_accept_length=float(blk.mean()), utilization=float(acc.sum() / blk.sum()))
     return out
+
+
+def round_seconds(dispatched_at: float, last_read_at: float, now: float, compile_spans, rounds: int) -> float:
+    """A read call's seconds per round as the loop sees them: from its dispatch or the previous
+    read, whichever came later, to this read (overlapped: the period between reads), less the
+    time spent compiling other shapes on first use meanwhile.  The cost table is profiled on
+    this same quantity."""
+    start = max(dispatched_at, last_read_at)
+    compiling = sum(max(0.0, min(b, now) - max(a, start)) for a, b in compile_spans)
+    return max(now - start - compiling, 1e-9) / rounds

@@ -37,7 +37,7 @@ from dspark_jax.layers.layer_split import split_layers
 from dspark_jax.logit_processors import CONSTRAINED
 from dspark_jax.logprobs import top_width
 from dspark_jax.parallel.host import prefetch, to_host
-from dspark_jax.spec.common.stats import commit_rounds
+from dspark_jax.spec.common.stats import commit_rounds, round_seconds
 from dspark_jax.spec.common.tiers import TokenTiers
 from dspark_jax.spec.common.worker import DraftWorker
 from dspark_jax.spec.dspark.planner import RoundPlan, plan_call
@@ -418,12 +418,3 @@ class DSparkWorker(DraftWorker):
         """Write any buffered STS calibration rows to a shard (no-op when not recording)."""
         return self._recorder.flush() if self._recorder is not None else None
 
-
-def round_seconds(dispatched_at: float, last_read_at: float, now: float, compile_spans, rounds: int) -> float:
-    """A read call's seconds per round as the loop sees them: from its dispatch or the previous
-    read, whichever came later, to this read (overlapped: the period between reads), less the
-    time spent compiling other shapes on first use meanwhile.  The cost table is profiled on
-    this same quantity."""
-    start = max(dispatched_at, last_read_at)
-    compiling = sum(max(0.0, min(b, now) - max(a, start)) for a, b in compile_spans)
-    return max(now - start - compiling, 1e-9) / rounds
