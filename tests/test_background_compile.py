@@ -190,3 +190,14 @@ def test_a_cover_is_the_narrowest_compiled_shape_at_least_as_wide():
     with pytest.raises(ExecutablePending):
         own_or_cover(cache, ("round", "compact", 256, 16, 8, True), get, dims=(2, 3, 4), widest=None)
     assert own_or_cover(cache, ("round", "compact", 32, 8, 8, True), get, dims=(2, 3, 4), widest=None)[1] == "b"
+
+
+@pytest.mark.parametrize("arm", ["plain", "compact", "mtp"])
+def test_without_background_compiles_only_the_shapes_run_are_built(target, arm):  # noqa: F811
+    """Where processed steps compile in the loop (precompiled processors) nothing pads, so a
+    lone processed request builds its own shape and not the widest."""
+    eng = _engine(target, arm, logit_processors="precompile")
+    assert eng.background is None
+    eng.generate(PROMPTS[1:], PARAMS[1:])
+    widest = [eng.worker._widest("processed")] if arm == "plain" else eng.worker.widest_rounds(True)
+    assert not any(k in eng.worker._compiled for k in widest)

@@ -53,6 +53,11 @@ class Worker:
         """At start-up, once the executables are compiled: queue on the background compile
         thread the processed executables that any batch can run padded on."""
 
+    def pads(self, processed: int | bool) -> bool:
+        """Whether a step at this processing level asks for its kind's widest shape first, to run
+        padded on it while its own compiles: where processed steps compile in the background."""
+        return bool(processed) and self.engine.background is not None
+
     def calibrate(self, cached_only: bool = False) -> None:
         """Runs once the executables are compiled (e.g. to profile this device's step costs);
         cached_only: before compiling, with only what an earlier start-up cached."""
@@ -213,7 +218,7 @@ class PlainWorker(Worker):
         return prev.reqs == reqs and prev.tokens.shape[0] == round_up(len(reqs), self.engine.decode_buckets)
 
     def warm_processed(self) -> None:
-        if self.engine.background is not None:
+        if self.pads(True):
             try:
                 self._executable(*self._widest("processed"))
             except ExecutablePending:
@@ -234,7 +239,8 @@ class PlainWorker(Worker):
         if level:  # while its own shape compiles in the background, a wider one (if not fed)
             variant = "constrained" if level == CONSTRAINED else "processed"
             (B, _, P, _), _ = own_or_cover(self._compiled, (B, B, P, variant), lambda k: self._executable(*k),
-                                           dims=(2,) if prev is not None else (0, 1, 2), widest=self._widest(variant))
+                                           dims=(2,) if prev is not None else (0, 1, 2),
+                                           widest=self._widest(variant) if self.pads(level) else None)
         seqs = [(np.asarray(r.output_ids[-1:]), r.total_len - 1 + ahead, e.pool.pages(r.id)[:P]) for r in reqs]
         batch = build_forward_batch(seqs, page_size=e.pool.page_size, num_tokens=B, num_seqs=B, pages_per_seq=P)
         if prev is not None:

@@ -118,7 +118,7 @@ class DraftWorker(Worker):
     def warm_processed(self) -> None:
         """Queues the widest processed round of every kind (where processed rounds compile in
         the background)."""
-        for key in self.widest_rounds(True) if self.engine.background is not None else ():
+        for key in self.widest_rounds(True) if self.pads(True) else ():
             try:
                 self._round_executable(*key[1:])
             except ExecutablePending:

@@ -310,7 +310,7 @@ class DSparkWorker(DraftWorker):
         P, processed = arrays.table.shape[1], arrays.processed
         key, fn = own_or_cover(self._compiled, ("round", plan.mode, plan.tier, plan.rows, P, processed),
                                lambda k: self._round_executable(*k[1:]), dims=(2, 3, 4),  # compiled before the clock
-                               widest=self._largest_round(plan.mode, processed) if processed else None)
+                               widest=self._largest_round(plan.mode, processed) if self.pads(processed) else None)
         if key[2:5] != (plan.tier, plan.rows, P):  # padded onto a wider shape (not the one priced)
             plan = dataclasses.replace(plan, tier=key[2], rows=key[3], predicted_s=None)
             arrays, P = self.round_arrays(reqs, key[3], pages=key[4]), key[4]

@@ -157,7 +157,7 @@ class MTPWorker(DraftWorker):
         P = a.table.shape[1]
         (_, T, S, P, _), fn = own_or_cover(self._compiled, ("round", T, S, P, a.processed),
                                            lambda k: self._round_executable(*k[1:]), dims=(1, 2, 3),
-                                           widest=self._largest_round(a.processed) if a.processed else None)
+                                           widest=self._largest_round(a.processed) if self.pads(a.processed) else None)
         if a.table.shape != (S, P):  # padded onto a wider shape while its own compiles
             a = self.round_arrays(reqs, S, pages=P)
         column = lambda values: np.concatenate([np.asarray(values, np.int32), np.zeros(S - bs, np.int32)])
