@@ -105,8 +105,8 @@ def _widest(eng, arm: str):
     if arm == "plain":
         return lambda key: eng.worker._widest(key[-1])
     if arm == "compact":
-        return lambda key: eng.worker._largest_round(key[1], key[-1])
-    return lambda key: eng.worker._largest_round(key[-1])
+        return lambda key: eng.worker._widest_round(key[1], key[-1])
+    return lambda key: eng.worker._widest_round(key[-1])
 
 
 @pytest.mark.parametrize("arm", ["plain", "compact", "mtp"])
@@ -152,7 +152,7 @@ def test_warming_queues_every_widest_processed_step(target, arm):  # noqa: F811
     """What a server queues once it is up: the widest processed step of every kind the worker
     runs (the shapes any processed batch can run padded on), each compiled off the loop."""
     eng = _engine(target, arm)
-    widest = [eng.worker._widest("processed")] if arm == "plain" else eng.worker.widest_rounds(True)
+    widest = eng.worker.widest_processed()
     assert widest and all(k[-3] == max(eng.decode_buckets) and k[-2] == max(eng.page_widths) for k in widest)
     assert [_widest(eng, arm)(k) for k in widest] == widest
     assert not any(k in eng.worker._compiled for k in widest)
@@ -199,5 +199,5 @@ def test_without_background_compiles_only_the_shapes_run_are_built(target, arm):
     eng = _engine(target, arm, logit_processors="precompile")
     assert eng.background is None
     eng.generate(PROMPTS[1:], PARAMS[1:])
-    widest = [eng.worker._widest("processed")] if arm == "plain" else eng.worker.widest_rounds(True)
+    widest = eng.worker.widest_processed()
     assert not any(k in eng.worker._compiled for k in widest)

@@ -53,10 +53,14 @@ class BackgroundCompiles:
                 cache[key] = future.result()
                 log.info("%s ready, %.1f s after its background compile started", key, time.perf_counter() - t0)
 
+    def _running(self) -> list:
+        """The futures of the compiles still running or queued."""
+        return [future for _, _, future, _ in self._pending.values() if not future.done()]
+
     @property
     def busy(self) -> bool:
         """Whether a compile is still running or queued."""
-        return any(not future.done() for _, _, future, _ in self._pending.values())
+        return bool(self._running())
 
     def close(self) -> None:
         """Drop the compiles still queued (one running finishes), so shutting down waits for at
@@ -69,7 +73,7 @@ class BackgroundCompiles:
     def wait(self, timeout: float) -> None:
         """Block until one pending compile finishes or timeout seconds pass (for a loop whose
         every request waits on one)."""
-        running = [future for _, _, future, _ in self._pending.values() if not future.done()]
+        running = self._running()
         if running:
             concurrent.futures.wait(running, timeout, concurrent.futures.FIRST_COMPLETED)
 

@@ -49,9 +49,24 @@ class Worker:
         """(label, compile thunk) of every executable the worker runs, for start-up."""
         return []
 
+    def widest_processed(self) -> list[tuple]:
+        """The key of the widest processed step (most tokens, rows and pages) of every kind the
+        worker runs: shapes any processed batch of that kind can run padded on."""
+        return []
+
+    def step_executable(self, key: tuple):
+        """The executable of a step's key, as widest_processed names it (ExecutablePending while
+        a processed one compiles in the background)."""
+        raise NotImplementedError
+
     def warm_processed(self) -> None:
-        """At start-up, once the executables are compiled: queue on the background compile
-        thread the processed executables that any batch can run padded on."""
+        """At start-up, once the executables are compiled: queue the widest processed steps on
+        the background compile thread (where processed steps compile there)."""
+        for key in self.widest_processed() if self.pads(True) else ():
+            try:
+                self.step_executable(key)
+            except ExecutablePending:
+                pass
 
     def pads(self, processed: int | bool) -> bool:
         """Whether a step at this processing level asks for its kind's widest shape first, to run
@@ -217,12 +232,11 @@ class PlainWorker(Worker):
         """The same batch at its own width (a step padded onto a wider shape feeds nothing)."""
         return prev.reqs == reqs and prev.tokens.shape[0] == round_up(len(reqs), self.engine.decode_buckets)
 
-    def warm_processed(self) -> None:
-        if self.pads(True):
-            try:
-                self._executable(*self._widest("processed"))
-            except ExecutablePending:
-                pass
+    def widest_processed(self) -> list[tuple]:
+        return [self._widest("processed")]
+
+    def step_executable(self, key: tuple):
+        return self._executable(*key)
 
     def _widest(self, variant: str) -> tuple:
         e = self.engine
@@ -238,7 +252,7 @@ class PlainWorker(Worker):
         level = LogitProcessors.level(reqs)
         if level:  # while its own shape compiles in the background, a wider one (if not fed)
             variant = "constrained" if level == CONSTRAINED else "processed"
-            (B, _, P, _), _ = own_or_cover(self._compiled, (B, B, P, variant), lambda k: self._executable(*k),
+            (B, _, P, _), _ = own_or_cover(self._compiled, (B, B, P, variant), self.step_executable,
                                            dims=(2,) if prev is not None else (0, 1, 2),
                                            widest=self._widest(variant) if self.pads(level) else None)
         seqs = [(np.asarray(r.output_ids[-1:]), r.total_len - 1 + ahead, e.pool.pages(r.id)[:P]) for r in reqs]

@@ -9,7 +9,6 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dspark_jax.engine.background_compile import ExecutablePending
 from dspark_jax.engine.flat_state import flatten_states, with_flat_states
 from dspark_jax.engine.host_pack import HostPack, with_packed_inputs, with_packed_outputs
 from dspark_jax.engine.worker import Worker
@@ -110,19 +109,8 @@ class DraftWorker(Worker):
         only requests with logit processors or a grammar need it, Engine.compiled)."""
         return self.engine.compiled(self._compiled, key, lower, optional=optional)
 
-    def widest_rounds(self, processed: int | bool) -> list[tuple]:
-        """The key of the widest shape (most tokens, rows and pages) of every kind of round the
-        worker may run."""
-        raise NotImplementedError
-
-    def warm_processed(self) -> None:
-        """Queues the widest processed round of every kind (where processed rounds compile in
-        the background)."""
-        for key in self.widest_rounds(True) if self.pads(True) else ():
-            try:
-                self._round_executable(*key[1:])
-            except ExecutablePending:
-                pass
+    def step_executable(self, key: tuple):
+        return self._round_executable(*key[1:])  # ("round", *its arguments)
 
     def pack(self, key, abstract_inputs, device_fields: tuple[str, ...] = ()) -> HostPack:
         """The (cached) host-buffer layout of a NamedTuple of inputs or results."""

@@ -232,14 +232,14 @@ class DSparkWorker(DraftWorker):
         """Whether rounds may be plain decode steps (a cost table that can say no window pays)."""
         return bool(self._derive or (self._schedules and self.scheduler.can_decode))
 
-    def widest_rounds(self, processed: int | bool) -> list[tuple]:
-        return [self._largest_round(mode, processed) for mode in (self.mode, *(DECODE_MODES if self._decodes else ()))]
+    def widest_processed(self) -> list[tuple]:
+        return [self._widest_round(mode, True) for mode in (self.mode, *(DECODE_MODES if self._decodes else ()))]
 
-    def _largest_round(self, mode: str, processed: int | bool) -> tuple:
-        """The key of a round kind's widest shape: the most tokens, rows and pages it compiles."""
-        e = self.engine
-        T, S = ((max(e.decode_buckets),) * 2 if mode in DECODE_MODES
-                else max(self.tiers.shapes(trimmed=mode != "static")))
+    def _widest_round(self, mode: str, processed: int | bool) -> tuple:
+        """The key of a round kind's widest shape: the most tokens, rows and pages it compiles
+        (the top tier holds the largest batch in every mode)."""
+        e, top = self.engine, self.tiers.max_tier
+        T, S = (max(e.decode_buckets),) * 2 if mode in DECODE_MODES else (top, self.tiers.slots(top))
         return ("round", mode, T, S, max(e.page_widths), processed)
 
     def _input_pack(self, S: int, P: int):
@@ -309,8 +309,8 @@ class DSparkWorker(DraftWorker):
             plan = dataclasses.replace(plan, mode=decode_mode(arrays.temperature))
         P, processed = arrays.table.shape[1], arrays.processed
         key, fn = own_or_cover(self._compiled, ("round", plan.mode, plan.tier, plan.rows, P, processed),
-                               lambda k: self._round_executable(*k[1:]), dims=(2, 3, 4),  # compiled before the clock
-                               widest=self._largest_round(plan.mode, processed) if self.pads(processed) else None)
+                               self.step_executable, dims=(2, 3, 4),  # compiled before the clock starts
+                               widest=self._widest_round(plan.mode, processed) if self.pads(processed) else None)
         if key[2:5] != (plan.tier, plan.rows, P):  # padded onto a wider shape (not the one priced)
             plan = dataclasses.replace(plan, tier=key[2], rows=key[3], predicted_s=None)
             arrays, P = self.round_arrays(reqs, key[3], pages=key[4]), key[4]

@@ -84,10 +84,10 @@ class MTPWorker(DraftWorker):
         T = self.tiers.round_up(batch_size * (self.num_steps + 1))
         return T, T // (self.num_steps + 1)
 
-    def widest_rounds(self, processed: int | bool) -> list[tuple]:
-        return [self._largest_round(processed)]
+    def widest_processed(self) -> list[tuple]:
+        return [self._widest_round(True)]
 
-    def _largest_round(self, processed: int | bool) -> tuple:
+    def _widest_round(self, processed: int | bool) -> tuple:
         """The key of the widest round: the most tokens, rows and pages compiled."""
         e = self.engine
         return ("round", *self._round_shape(max(e.decode_buckets)), max(e.page_widths), processed)
@@ -155,9 +155,9 @@ class MTPWorker(DraftWorker):
         T, S = self._round_shape(bs)
         a = self.round_arrays(reqs, S)
         P = a.table.shape[1]
-        (_, T, S, P, _), fn = own_or_cover(self._compiled, ("round", T, S, P, a.processed),
-                                           lambda k: self._round_executable(*k[1:]), dims=(1, 2, 3),
-                                           widest=self._largest_round(a.processed) if self.pads(a.processed) else None)
+        (_, T, S, P, _), fn = own_or_cover(self._compiled, ("round", T, S, P, a.processed), self.step_executable,
+                                           dims=(1, 2, 3),
+                                           widest=self._widest_round(a.processed) if self.pads(a.processed) else None)
         if a.table.shape != (S, P):  # padded onto a wider shape while its own compiles
             a = self.round_arrays(reqs, S, pages=P)
         column = lambda values: np.concatenate([np.asarray(values, np.int32), np.zeros(S - bs, np.int32)])
