@@ -152,7 +152,7 @@ def test_warming_queues_every_widest_processed_step(target, arm):  # noqa: F811
     """What a server queues once it is up: the widest processed step of every kind the worker
     runs (the shapes any processed batch can run padded on), each compiled off the loop."""
     eng = _engine(target, arm)
-    widest = eng.worker.widest_processed()
+    widest = eng.worker.widest(processed=True)
     assert widest and all(k[-3] == max(eng.decode_buckets) and k[-2] == max(eng.page_widths) for k in widest)
     assert [_widest(eng, arm)(k) for k in widest] == widest
     assert not any(k in eng.worker._compiled for k in widest)
@@ -199,5 +199,48 @@ def test_without_background_compiles_only_the_shapes_run_are_built(target, arm):
     eng = _engine(target, arm, logit_processors="precompile")
     assert eng.background is None
     eng.generate(PROMPTS[1:], PARAMS[1:])
-    widest = eng.worker.widest_processed()
+    widest = eng.worker.widest(processed=True)
     assert not any(k in eng.worker._compiled for k in widest)
+
+
+@pytest.mark.parametrize("arm", ["plain", "compact", "mtp"])
+def test_a_widest_first_start_up_serves_on_the_widest_while_the_rest_compile(target, arm):  # noqa: F811
+    """A widest-first start-up compiles only the widest prefill and step of every kind, then
+    serves: with every other compile held, prefills and steps of any batch run padded on those
+    and commit the tokens of an engine that compiled each shape in its loop (greedy and
+    sampled); once the queued compiles finish, every executable is there and steps use their own."""
+    params = [SamplingParams(max_new_tokens=12, ignore_eos=True),
+              SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.8, seed=3)]
+    want = _engine(target, arm, min_context_bucket=16, widest_first=False).generate(PROMPTS, params)
+    eng = _engine(target, arm, min_context_bucket=16, widest_first=True)
+    bg, gate = eng.background, threading.Event()
+    compile_fn = bg._compile
+    bg._compile = lambda lowered: gate.wait(60) and compile_fn(lowered)
+    eng.prepare()
+    widest = eng.worker.widest(processed=False)
+    assert set(eng.worker._compiled) == set(widest) and bg.busy  # the rest queued, none built
+    got = eng.generate(PROMPTS, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert set(eng.worker._compiled) == set(widest)  # nothing compiled in the loop
+    gate.set()
+    _wait_idle(bg)
+    bg._collect()
+    every = len(eng.worker.executables())
+    assert len(eng.worker._compiled) == every > len(widest)
+    again = eng.generate(PROMPTS, params)
+    assert [g.token_ids for g in again] == [w.token_ids for w in want]
+    eng.pool.check_invariants()
+
+
+def test_a_start_up_that_profiles_compiles_every_shape_first(target):  # noqa: F811
+    """A cost table still to be derived profiles every tier, so even a widest-first start-up
+    compiles them all before serving; a table given up front leaves the rest for later."""
+    def startup(table):
+        eng = Engine(target, None, EngineConfig(**{**EC, "widest_first": True}), drafter=repeat_biased_drafter(target),
+                     spec=SpeculativeConfig(mode="compact", cost_table=table))
+        return eng.startup_executables()
+
+    now, later = startup("derive")
+    assert later == [] and len(now) > 6
+    now, later = startup(TABLE)
+    assert len(now) < len(later)

@@ -1,9 +1,11 @@
-"""Executables only some requests need, compiled off the engine's thread.
+"""Executables compiled off the engine's thread, and the wider ones a step runs on meanwhile.
 
 Penalties, logit bias, min_tokens, logprobs and grammars run in executables of their own
 ("processed" and "constrained" variants), which a lazily compiling engine builds on first use.
 Built in the loop, each would stop the whole batch for as long as an 8B step takes to compile;
 built here, the batch goes on without the requests that need it, which join once it is ready.
+A GPU start-up builds only the widest executable of every kind before serving and queues the
+rest here: until its own is ready, a step runs padded on the widest (own_or_cover).
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ class BackgroundCompiles:
             log.info("compiling %s in the background; the requests that need it wait", key)
         raise ExecutablePending(key)
 
+    def queued(self, cache: dict, key) -> bool:
+        """Whether key's executable for this cache is compiling here, or waits its turn."""
+        return (id(cache), key) in self._pending
+
     def _collect(self) -> None:
         """Move finished compiles into their caches (on the caller's thread, so a cache never
         changes under a reader)."""
@@ -79,8 +85,7 @@ class BackgroundCompiles:
 
 
 def own_or_cover(cache: dict, key: tuple, get: Callable, *, dims: tuple[int, ...], widest: tuple | None):
-    """(key, executable) of a step that only some requests need: key's own, or while that
-    compiles in the background, the narrowest compiled key as wide or wider at the positions
+    """(key, executable) of a step: key's own, or while that compiles in the background, the narrowest compiled key as wide or wider at the positions
     ``dims`` (tokens, rows, pages: the step runs padded) and equal to key elsewhere.
     get(key) returns key's executable or raises ExecutablePending.  ``widest`` (a shape that
     holds any batch of key's kind) is asked for first, so after one compile nothing waits."""

@@ -30,6 +30,10 @@ class EngineConfig:
     min_context_bucket: int = 8192
     compile_cache_dir: str | None = None  # the persistent XLA cache (default ~/.cache/dspark_jax/xla)
     precompile: bool = True  # False: compile each executable on first use
+    # Start-up compiles the widest executable of every kind, serves, and compiles the rest in the
+    # background, each step running padded on a wider one until its own is ready
+    # (engine/background_compile.py).  None: on the GPU of a single-process engine.
+    widest_first: bool | None = None
     overlap: bool = True  # dispatch step t+1, fed on the device, before reading step t
     seed: int = 0  # draws seeds for requests that do not bring one
     # Penalties, logit bias, min_tokens and logprobs (dspark_jax/logit_processors.py) run in

@@ -15,6 +15,7 @@ tokens back is the only time the host waits for the device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -80,9 +81,15 @@ class Engine:
         self.processors = None if ec.logit_processors == "off" else LogitProcessors(
             self.runner, slots=ec.max_running_requests, vocab=par.vocab_width(self.config.vocab_size),
             max_len=self.max_model_len, precompile=ec.logit_processors == "precompile", grammar_rows=ec.grammar_states)
-        # lazily compiled processed and constrained executables build beside the running batch
+        # (one process decides alone what runs padded: hosts that must step alike compile it all)
+        widest_first = ec.widest_first if ec.widest_first is not None else self.runner.platform == "gpu"
+        self.widest_first = widest_first and jax.process_count() == 1
+        # lazily compiled processed and constrained executables, and those a start-up leaves for
+        # later, build beside the running batch
+        lazy = self.processors is not None and not self.processors.precompile
         self.background = (BackgroundCompiles(lambda lowered: self.runner.compile(lowered, stalls=False))
-                           if self.processors is not None and not self.processors.precompile else None)
+                           if lazy or self.widest_first else None)
+        self._queueing = False  # queue_compiles is running
         self.prefill_seqs = min(ec.max_prefill_seqs, ec.max_running_requests)
         self.decode_buckets = batch_ladder(ec.max_running_requests)
         self.prefill_buckets = batch_ladder(ec.max_prefill_tokens, start=min(16, ec.max_prefill_tokens))
@@ -129,10 +136,10 @@ class Engine:
 
     def prepare(self, progress=None) -> None:
         """Start-up: read a cached cost table first (it may rule the speculative steps out before
-        any of them compiles), compile every executable the worker then runs (progress: as in
-        compile_engines), then let the worker measure this device."""
+        any of them compiles), compile the executables the worker then runs (progress: as in
+        compile_engines; see startup_executables), then let the worker measure this device."""
         self.calibrate(compile=False, cached_only=True)
-        self.compile_seconds = compile_engines([self], progress)
+        self.compile_seconds = compile_engines([self], progress, widest_first=True)
         self.calibrate(compile=True)
 
     def calibrate(self, compile: bool | None = None, cached_only: bool = False) -> None:
@@ -174,9 +181,35 @@ class Engine:
         """(label, compile thunk) of every executable compiled at start-up."""
         return self.worker.executables() + (self.processors.executables() if self.processors else [])
 
+    def startup_executables(self) -> tuple[list, list]:
+        """(label, compile thunk) of the executables a start-up compiles before serving, and of
+        those it then queues on the background compile thread.  Where the engine compiles its
+        widest first (and no profile needs every shape), before serving come the widest of each
+        kind (a step of any batch runs padded on it) and the logit processors'; else all."""
+        every = self.executables()
+        if not self.widest_first or getattr(self.worker, "needs_calibration", False):
+            return every, []
+        first = [(" ".join(map(str, key)), functools.partial(self.worker.step_executable, key))
+                 for key in self.worker.widest(processed=False)]
+        return first + (self.processors.executables() if self.processors else []), self.worker.executables()
+
+    def queue_compiles(self, executables) -> None:
+        """Queue (label, compile thunk) pairs on the background compile thread, in order (those
+        already compiled are skipped)."""
+        self._queueing = True
+        try:
+            for _, build in executables:
+                try:
+                    build()
+                except ExecutablePending:
+                    pass
+        finally:
+            self._queueing = False
+
     def compile_all(self) -> float:
-        """Compile every executable the worker runs (see compile_engines); returns seconds spent."""
-        return compile_engines([self])
+        """Compile the executables the worker runs (as a start-up does: see compile_engines);
+        returns seconds spent."""
+        return compile_engines([self], widest_first=True)
 
     def page_width(self, tokens: int) -> int:
         """The page-table width of a step whose requests touch at most `tokens` positions each:
@@ -286,10 +319,12 @@ class Engine:
     def compiled(self, cache: dict, key, lower, *, optional: bool = False):
         """A worker's executable for key, lowered and compiled on first use.  optional: only
         requests with logit processors or a grammar need it; where those compile lazily it builds
-        in the background and ExecutablePending is raised until it is ready."""
+        in the background and ExecutablePending is raised until it is ready, as it is for an
+        executable the start-up queued there."""
         if key not in cache:
-            if optional and self.background is not None:
-                return self.background.get(cache, key, lower)
+            bg = self.background
+            if bg is not None and (optional or self._queueing or bg.queued(cache, key)):
+                return bg.get(cache, key, lower)
             cache[key] = self.runner.compile(lower())
         return cache[key]
 

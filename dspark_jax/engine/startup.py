@@ -34,13 +34,15 @@ def make_worker(drafter=None, spec=None) -> Worker:
     raise TypeError(f"unknown drafter type {type(drafter).__name__}")
 
 
-def compile_engines(engines, progress=None) -> float:
+def compile_engines(engines, progress=None, *, widest_first: bool = False) -> float:
     """Compile every executable the engines' workers run, several at a time on a GPU host (XLA
     compiles outside the GIL, so the host's cores share the work), logging progress; returns
-    seconds spent.
+    seconds spent.  widest_first: as a start-up does, only the executables each engine needs
+    before it serves (Engine.startup_executables), the rest then queued in its background.
     progress(done, total, label), if given, is called with (0, total, None) first, then as each
     executable is compiled (e.g. to draw a progress bar)."""
-    todo = [(label, build) for e in engines for label, build in e.executables()]
+    plans = [e.startup_executables() if widest_first else (e.executables(), []) for e in engines]
+    todo = [item for now, _ in plans for item in now]
     t0 = time.perf_counter()
     if progress is not None:
         progress(0, len(todo), None)
@@ -59,4 +61,10 @@ def compile_engines(engines, progress=None) -> float:
                 progress(i, len(todo), futures[done])
     for e in engines:
         e.runner.take_compile_spans()
-    return time.perf_counter() - t0
+    spent = time.perf_counter() - t0
+    for e, (_, later) in zip(engines, plans):
+        if later:
+            e.queue_compiles(later)
+            log.info("the other executables compile in the background; until each is ready, its steps run "
+                     "padded on a wider one")
+    return spent

@@ -49,20 +49,21 @@ class Worker:
         """(label, compile thunk) of every executable the worker runs, for start-up."""
         return []
 
-    def widest_processed(self) -> list[tuple]:
-        """The key of the widest processed step (most tokens, rows and pages) of every kind the
-        worker runs: shapes any processed batch of that kind can run padded on."""
+    def widest(self, processed: bool) -> list[tuple]:
+        """The keys of the widest step (most tokens, rows and pages) of every kind the worker runs
+        with or without logit processors, the latter with prefill's: shapes any batch of that
+        kind can run padded on."""
         return []
 
     def step_executable(self, key: tuple):
-        """The executable of a step's key, as widest_processed names it (ExecutablePending while
-        a processed one compiles in the background)."""
+        """The executable of a step's key, as widest names it (ExecutablePending while it
+        compiles in the background)."""
         raise NotImplementedError
 
     def warm_processed(self) -> None:
         """At start-up, once the executables are compiled: queue the widest processed steps on
         the background compile thread (where processed steps compile there)."""
-        for key in self.widest_processed() if self.pads(True) else ():
+        for key in self.widest(processed=True) if self.pads(True) else ():
             try:
                 self.step_executable(key)
             except ExecutablePending:
@@ -105,12 +106,18 @@ class Worker:
         return {}
 
 
-def prefill_batch(engine, chunks) -> tuple[ForwardBatch, tuple]:
+def prefill_tokens(engine, chunks) -> int:
+    """The token bucket of a prefill of prompt chunks [(request, n)]."""
+    return round_up(sum(n for _, n in chunks), engine.prefill_buckets)
+
+
+def prefill_batch(engine, chunks, tokens: int | None = None) -> tuple[ForwardBatch, tuple]:
     """The packed prefill step of prompt chunks [(request, n)] and its sampling arrays, padded
-    to the engine's prefill bucket: every worker prefills the same way.  Where the engine runs
-    logit processors, the sampling arrays end with each row's logit slot (-1 unless the chunk
-    completes a prompt whose request uses processors): prefill always processes."""
-    T = round_up(sum(n for _, n in chunks), engine.prefill_buckets)
+    to the engine's prefill bucket (or to ``tokens``, a wider one): every worker prefills the
+    same way.  Where the engine runs logit processors, the sampling arrays end with each row's
+    logit slot (-1 unless the chunk completes a prompt whose request uses processors): prefill
+    always processes."""
+    T = tokens or prefill_tokens(engine, chunks)
     S = engine.prefill_seqs
     pool = engine.pool
     seqs = [(np.asarray(r.prompt_ids[r.num_cached: r.num_cached + n]), r.num_cached, pool.pages(r.id))
@@ -226,14 +233,22 @@ class PlainWorker(Worker):
         return tokens if variant in ("greedy", "stochastic") else (tokens, lp)
 
     def prefill(self, chunks):
-        return self.run(*prefill_batch(self.engine, chunks), "any" if prefill_level(chunks) is True else "any-constrained")
+        e = self.engine
+        variant = "any" if prefill_level(chunks) is True else "any-constrained"
+        (T, _, _, _), _ = own_or_cover(self._compiled, (prefill_tokens(e, chunks), e.prefill_seqs, e.pages_per_seq,
+                                                        variant), self.step_executable, dims=(0,), widest=None)
+        return self.run(*prefill_batch(e, chunks, T), variant)
 
     def feeds(self, prev, reqs):
         """The same batch at its own width (a step padded onto a wider shape feeds nothing)."""
         return prev.reqs == reqs and prev.tokens.shape[0] == round_up(len(reqs), self.engine.decode_buckets)
 
-    def widest_processed(self) -> list[tuple]:
-        return [self._widest("processed")]
+    def widest(self, processed: bool) -> list[tuple]:
+        if processed:
+            return [self._widest("processed")]
+        e = self.engine
+        return [(max(e.prefill_buckets), e.prefill_seqs, e.pages_per_seq, "any"), self._widest("greedy"),
+                self._widest("stochastic")]
 
     def step_executable(self, key: tuple):
         return self._executable(*key)
@@ -249,24 +264,27 @@ class PlainWorker(Worker):
         ahead = 0 if prev is None else 1
         B = round_up(len(reqs), e.decode_buckets)
         P = e.page_width(max(r.total_len for r in reqs) + ahead)
-        level = LogitProcessors.level(reqs)
-        if level:  # while its own shape compiles in the background, a wider one (if not fed)
-            variant = "constrained" if level == CONSTRAINED else "processed"
-            (B, _, P, _), _ = own_or_cover(self._compiled, (B, B, P, variant), self.step_executable,
+        sample = lambda B: sampling_arrays([r.params for r in reqs], [r.seed for r in reqs],  # noqa: E731
+                                           [r.total_len + ahead for r in reqs], B)
+        sampling, level = sample(B), LogitProcessors.level(reqs)
+        variant = ("constrained" if level == CONSTRAINED else "processed") if level else (
+            "stochastic" if sampling[0].any() else "greedy")
+        # while its own shape compiles in the background, a wider one (if not fed)
+        (width, _, P, _), _ = own_or_cover(self._compiled, (B, B, P, variant), self.step_executable,
                                            dims=(2,) if prev is not None else (0, 1, 2),
                                            widest=self._widest(variant) if self.pads(level) else None)
+        if width != B:
+            B, sampling = width, sample(width)
         seqs = [(np.asarray(r.output_ids[-1:]), r.total_len - 1 + ahead, e.pool.pages(r.id)[:P]) for r in reqs]
         batch = build_forward_batch(seqs, page_size=e.pool.page_size, num_tokens=B, num_seqs=B, pages_per_seq=P)
         if prev is not None:
             batch = batch._replace(input_ids=prev.tokens)
-        sampling = sampling_arrays([r.params for r in reqs], [r.seed for r in reqs],
-                                   [r.total_len + ahead for r in reqs], B)
         if level:
             tokens, lp = self.run(batch, sampling + (LogitProcessors.slots(reqs, B),), variant)
             for x in lp:
                 prefetch(x)
         else:
-            tokens, lp = self.run(batch, sampling, "stochastic" if sampling[0].any() else "greedy"), None
+            tokens, lp = self.run(batch, sampling, variant), None
         prefetch(tokens)
         return _DecodeStep(reqs, tokens, lp)
 

@@ -9,9 +9,10 @@ import jax
 import numpy as np
 from flax import nnx
 
+from dspark_jax.engine.background_compile import own_or_cover
 from dspark_jax.engine.flat_state import flatten_states, with_flat_states
 from dspark_jax.engine.host_pack import HostPack, with_packed_inputs, with_packed_outputs
-from dspark_jax.engine.worker import Worker
+from dspark_jax.engine.worker import Worker, prefill_batch, prefill_level, prefill_tokens
 from dspark_jax.logit_processors import LogitProcessors
 from dspark_jax.sampling import sampling_arrays
 from dspark_jax.spec.common.stats import new_round_stats, summarize_rounds
@@ -109,8 +110,21 @@ class DraftWorker(Worker):
         only requests with logit processors or a grammar need it, Engine.compiled)."""
         return self.engine.compiled(self._compiled, key, lower, optional=optional)
 
-    def step_executable(self, key: tuple):
-        return self._round_executable(*key[1:])  # ("round", *its arguments)
+    def step_executable(self, key: tuple):  # ("prefill" or "round", *that executable's arguments)
+        return (self._prefill_executable if key[0] == "prefill" else self._round_executable)(*key[1:])
+
+    def prefill_inputs(self, chunks) -> tuple:
+        """(packed batch, sampling arrays, processing level, executable) of a prefill of prompt
+        chunks: its own token bucket's, or while that compiles in the background, a wider one's."""
+        e, level = self.engine, prefill_level(chunks)
+        (_, T, _, _), fn = own_or_cover(self._compiled, ("prefill", prefill_tokens(e, chunks), e.prefill_seqs, level),
+                                        self.step_executable, dims=(1,), widest=None)
+        return *prefill_batch(e, chunks, T), level, fn
+
+    def widest_prefill(self) -> tuple:
+        """The key of the widest prefill (most tokens)."""
+        e = self.engine
+        return ("prefill", max(e.prefill_buckets), e.prefill_seqs, True)
 
     def pack(self, key, abstract_inputs, device_fields: tuple[str, ...] = ()) -> HostPack:
         """The (cached) host-buffer layout of a NamedTuple of inputs or results."""

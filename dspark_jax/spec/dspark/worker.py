@@ -30,7 +30,7 @@ from dspark_jax.calibration.sts import StsCalibration
 from dspark_jax.engine.background_compile import own_or_cover
 from dspark_jax.engine.model_runner import abstract
 from dspark_jax.engine.request import Request, Status
-from dspark_jax.engine.worker import prefill_batch, prefill_level, prefill_sampling_struct, prefill_shapes
+from dspark_jax.engine.worker import prefill_sampling_struct, prefill_shapes
 from dspark_jax.forward_batch import shape_struct
 from dspark_jax.kv_cache import KVCache
 from dspark_jax.layers.layer_split import split_layers
@@ -232,8 +232,9 @@ class DSparkWorker(DraftWorker):
         """Whether rounds may be plain decode steps (a cost table that can say no window pays)."""
         return bool(self._derive or (self._schedules and self.scheduler.can_decode))
 
-    def widest_processed(self) -> list[tuple]:
-        return [self._widest_round(mode, True) for mode in (self.mode, *(DECODE_MODES if self._decodes else ()))]
+    def widest(self, processed: bool) -> list[tuple]:
+        rounds = [self._widest_round(mode, processed) for mode in (self.mode, *(DECODE_MODES if self._decodes else ()))]
+        return rounds if processed else [self.widest_prefill(), *rounds]
 
     def _widest_round(self, mode: str, processed: int | bool) -> tuple:
         """The key of a round kind's widest shape: the most tokens, rows and pages it compiles
@@ -263,10 +264,8 @@ class DSparkWorker(DraftWorker):
 
     # -- steps ---------------------------------------------------------------------------------
     def prefill(self, chunks):
-        batch, samp = prefill_batch(self.engine, chunks)
+        batch, samp, level, fn = self.prefill_inputs(chunks)
         runner = self.engine.runner
-        level = prefill_level(chunks)
-        fn = self._prefill_executable(batch.input_ids.shape[0], batch.page_table.shape[0], level)
         tokens, lp, runner.cache, self.dcache, lstate = fn(runner.state, self.drafter_state, runner.cache, self.dcache,
                                                            self.lstate(level), batch, samp)
         self.keep_lstate(lstate)

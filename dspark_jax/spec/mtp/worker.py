@@ -21,7 +21,7 @@ import numpy as np
 from dspark_jax.engine.background_compile import own_or_cover
 from dspark_jax.engine.model_runner import abstract
 from dspark_jax.engine.request import Request
-from dspark_jax.engine.worker import prefill_batch, prefill_level, prefill_sampling_struct, prefill_shapes
+from dspark_jax.engine.worker import prefill_sampling_struct, prefill_shapes
 from dspark_jax.forward_batch import shape_struct
 from dspark_jax.logit_processors import CONSTRAINED
 from dspark_jax.logprobs import top_width
@@ -84,8 +84,8 @@ class MTPWorker(DraftWorker):
         T = self.tiers.round_up(batch_size * (self.num_steps + 1))
         return T, T // (self.num_steps + 1)
 
-    def widest_processed(self) -> list[tuple]:
-        return [self._widest_round(True)]
+    def widest(self, processed: bool) -> list[tuple]:
+        return [self._widest_round(True)] if processed else [self.widest_prefill(), self._widest_round(False)]
 
     def _widest_round(self, processed: int | bool) -> tuple:
         """The key of the widest round: the most tokens, rows and pages compiled."""
@@ -132,7 +132,7 @@ class MTPWorker(DraftWorker):
 
     # -- steps ---------------------------------------------------------------------------------
     def prefill(self, chunks):
-        batch, samp = prefill_batch(self.engine, chunks)
+        batch, samp, level, fn = self.prefill_inputs(chunks)
         T, S = batch.input_ids.shape[0], batch.page_table.shape[0]
         next_ids = np.zeros(T, np.int32)  # the prompt token after each row (the sampled one is filled in on device)
         final_slot = np.full(S, -1, np.int32)
@@ -144,8 +144,7 @@ class MTPWorker(DraftWorker):
                 final_slot[i] = r.slot
             t += n
         runner = self.engine.runner
-        level = prefill_level(chunks)
-        tokens, lp, runner.cache, self.dcache, self.pending, lstate = self._prefill_executable(T, S, level)(
+        tokens, lp, runner.cache, self.dcache, self.pending, lstate = fn(
             runner.state, self.drafter_state, *self._caches(), self.lstate(level), batch, samp, next_ids, final_slot)
         self.keep_lstate(lstate)
         return tokens, lp
