@@ -244,3 +244,17 @@ def test_a_start_up_that_profiles_compiles_every_shape_first(target):  # noqa: F
     assert later == [] and len(now) > 6
     now, later = startup(TABLE)
     assert len(now) < len(later)
+
+
+def test_a_profile_waits_for_the_queued_compiles(target):  # noqa: F811
+    """A cost profile times each tier on its own executable, never padded onto a wider one: it
+    first lets every compile a widest-first start-up queued finish."""
+    from dspark_jax.spec.dspark.profile import profile_cells
+
+    eng = _engine(target, "compact", widest_first=True)
+    eng.prepare()
+    assert eng.background.busy or len(eng.worker._compiled) == len(eng.worker.executables())
+    cells = profile_cells(eng, [1], fractions=(0.5,), context=16, warmup=1, iters=2)
+    assert not eng.background.busy and len(eng.worker._compiled) >= len(eng.worker.executables())
+    round_cell = next(c for c in cells if c["K"] is not None)
+    assert round_cell["tier"] == eng.worker.tiers.tier_for(1, round_cell["K"]) < eng.worker.tiers.max_tier

@@ -76,6 +76,11 @@ class BackgroundCompiles:
             self._pool = None
         self._pending.clear()
 
+    def finish(self) -> None:
+        """Block until every queued compile has finished, and take them in."""
+        concurrent.futures.wait(self._running())
+        self._collect()
+
     def wait(self, timeout: float) -> None:
         """Block until one pending compile finishes or timeout seconds pass (for a loop whose
         every request waits on one)."""

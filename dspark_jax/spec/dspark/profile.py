@@ -44,6 +44,8 @@ def profile_cells(engine, batch_sizes: Sequence[int], fractions: Sequence[float]
     compiling and the switch from the cell before).  The engine must be idle; requests queued
     meanwhile wait for the profile.  sampling: the profiled requests' (default greedy)."""
     worker, G = engine.worker, engine.worker.gamma
+    if engine.background is not None:  # a round padded onto a wider shape would price the wrong tier
+        engine.background.finish()
     grid = [(bs, int(round(f * bs * G))) for bs in batch_sizes for f in fractions] + [(bs, "decode") for bs in batch_sizes]
     grid.sort(key=lambda cell: cell[0])  # one batch of requests per batch size
     params = dataclasses.replace(sampling or SamplingParams(), ignore_eos=True, stop_token_ids=(), seed=0)
