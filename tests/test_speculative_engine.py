@@ -563,7 +563,7 @@ def test_an_engine_whose_measured_table_rules_speculation_out_runs_plain_steps(p
         monkeypatch.setattr(profile, "profile_cells", lambda *a, **k: pytest.fail("the cached table was profiled again"))
         built = []
         monkeypatch.setattr(engine_module, "compile_engines",
-                            lambda engines, progress=None, built=built:
+                            lambda engines, progress=None, built=built, **_:
                             built.extend(x for e in engines for x, _ in e.executables()) or 0.0)
         warm = Engine(*pair[:2], EngineConfig(**EC), drafter=pair[2],
                       spec=SpeculativeConfig(mode="compact", cost_table="derive"))
