@@ -76,10 +76,12 @@ class CompileProgress:
 
     @property
     def what(self) -> str:
-        """The engine's executables by kind, as its worker runs them now (read when compiling
-        starts: a cached cost table may have ruled the speculative steps out)."""
+        """The executables compiled before serving, by kind, as the worker runs them now (read
+        when compiling starts: a cached cost table may have ruled the speculative steps out)."""
+        from dspark_jax.engine.startup import startup_executables
+
         kinds = collections.Counter(" ".join(w for w in label.split() if "=" not in w)
-                                    for label, _ in self.engine.executables())
+                                    for label, _ in startup_executables(self.engine)[0])
         return ", ".join(f"{n} {k}" for k, n in kinds.items())
 
     def __call__(self, done: int, total: int, label: str | None) -> None:

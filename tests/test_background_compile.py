@@ -11,6 +11,7 @@ import pytest
 
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.engine.request import Status
+from dspark_jax.engine.startup import startup_executables
 from dspark_jax.sampling import SamplingParams
 from dspark_jax.spec.config import SpeculativeConfig
 from tests.test_mtp_engine import repeat_drafter
@@ -219,14 +220,17 @@ def test_a_widest_first_start_up_serves_on_the_widest_while_the_rest_compile(tar
     eng.prepare()
     widest = eng.worker.widest(processed=False)
     assert set(eng.worker._compiled) == set(widest) and bg.busy  # the rest queued, none built
+    # the widest processed steps head the queue, so a processed request waits for them alone
+    processed = eng.worker.widest(processed=True)
+    assert [key for _, key in bg._pending][:len(processed)] == processed
     got = eng.generate(PROMPTS, params)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert set(eng.worker._compiled) == set(widest)  # nothing compiled in the loop
     gate.set()
     _wait_idle(bg)
     bg._collect()
-    every = len(eng.worker.executables())
-    assert len(eng.worker._compiled) == every > len(widest)
+    assert set(eng.worker._compiled) == set(eng.worker.keys()) | set(processed)
+    assert len(eng.worker.keys()) > len(widest)
     again = eng.generate(PROMPTS, params)
     assert [g.token_ids for g in again] == [w.token_ids for w in want]
     eng.pool.check_invariants()
@@ -238,7 +242,7 @@ def test_a_start_up_that_profiles_compiles_every_shape_first(target):  # noqa: F
     def startup(table):
         eng = Engine(target, None, EngineConfig(**{**EC, "widest_first": True}), drafter=repeat_biased_drafter(target),
                      spec=SpeculativeConfig(mode="compact", cost_table=table))
-        return eng.startup_executables()
+        return startup_executables(eng)
 
     now, later = startup("derive")
     assert later == [] and len(now) > 6

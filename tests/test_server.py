@@ -711,6 +711,7 @@ def test_startup_progress_and_quiet_backends(monkeypatch):
 
     class Engine:
         executables = staticmethod(lambda: [(lb, lambda: None) for lb in labels])
+        widest_first = False
 
         class runner:
             take_compile_spans = staticmethod(list)

@@ -11,6 +11,7 @@ rest here: until its own is ready, a step runs padded on the widest (own_or_cove
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -31,6 +32,21 @@ class BackgroundCompiles:
         self._compile = compile_fn
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: dict = {}  # (id(cache), key) -> (cache, key, future, start time)
+        self._queueing = False  # inside queueing(): every executable asked for is queued here
+
+    @contextlib.contextmanager
+    def queueing(self):
+        """Within: every executable a worker asks for and lacks is queued here (a start-up
+        leaving them for later; logged once, by the caller)."""
+        self._queueing = True
+        try:
+            yield
+        finally:
+            self._queueing = False
+
+    def takes(self, cache: dict, key) -> bool:
+        """Whether key's executable for this cache builds here: queued already, or being queued."""
+        return self._queueing or (id(cache), key) in self._pending
 
     def get(self, cache: dict, key, lower: Callable):
         """cache[key] once its background compile has finished; else starts that compile (once)
@@ -43,12 +59,9 @@ class BackgroundCompiles:
                 self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dspark-compile")
             self._pending[id(cache), key] = (cache, key, self._pool.submit(lambda: self._compile(lower())),
                                              time.perf_counter())
-            log.info("compiling %s in the background; the requests that need it wait", key)
+            if not self._queueing:
+                log.info("compiling %s in the background; the requests that need it wait", key)
         raise ExecutablePending(key)
-
-    def queued(self, cache: dict, key) -> bool:
-        """Whether key's executable for this cache is compiling here, or waits its turn."""
-        return (id(cache), key) in self._pending
 
     def _collect(self) -> None:
         """Move finished compiles into their caches (on the caller's thread, so a cache never

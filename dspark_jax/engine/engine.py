@@ -15,7 +15,6 @@ tokens back is the only time the host waits for the device.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
 import time
@@ -89,7 +88,6 @@ class Engine:
         lazy = self.processors is not None and not self.processors.precompile
         self.background = (BackgroundCompiles(lambda lowered: self.runner.compile(lowered, stalls=False))
                            if lazy or self.widest_first else None)
-        self._queueing = False  # queue_compiles is running
         self.prefill_seqs = min(ec.max_prefill_seqs, ec.max_running_requests)
         self.decode_buckets = batch_ladder(ec.max_running_requests)
         self.prefill_buckets = batch_ladder(ec.max_prefill_tokens, start=min(16, ec.max_prefill_tokens))
@@ -137,7 +135,8 @@ class Engine:
     def prepare(self, progress=None) -> None:
         """Start-up: read a cached cost table first (it may rule the speculative steps out before
         any of them compiles), compile the executables the worker then runs (progress: as in
-        compile_engines; see startup_executables), then let the worker measure this device."""
+        compile_engines; startup.startup_executables says which before serving), then let the
+        worker measure this device."""
         self.calibrate(compile=False, cached_only=True)
         self.compile_seconds = compile_engines([self], progress, widest_first=True)
         self.calibrate(compile=True)
@@ -181,33 +180,8 @@ class Engine:
         """(label, compile thunk) of every executable compiled at start-up."""
         return self.worker.executables() + (self.processors.executables() if self.processors else [])
 
-    def startup_executables(self) -> tuple[list, list]:
-        """(label, compile thunk) of the executables a start-up compiles before serving, and of
-        those it then queues on the background compile thread.  Where the engine compiles its
-        widest first (and no profile needs every shape), before serving come the widest of each
-        kind (a step of any batch runs padded on it) and the logit processors'; else all."""
-        every = self.executables()
-        if not self.widest_first or getattr(self.worker, "needs_calibration", False):
-            return every, []
-        first = [(" ".join(map(str, key)), functools.partial(self.worker.step_executable, key))
-                 for key in self.worker.widest(processed=False)]
-        return first + (self.processors.executables() if self.processors else []), self.worker.executables()
-
-    def queue_compiles(self, executables) -> None:
-        """Queue (label, compile thunk) pairs on the background compile thread, in order (those
-        already compiled are skipped)."""
-        self._queueing = True
-        try:
-            for _, build in executables:
-                try:
-                    build()
-                except ExecutablePending:
-                    pass
-        finally:
-            self._queueing = False
-
     def compile_all(self) -> float:
-        """Compile the executables the worker runs (as a start-up does: see compile_engines);
+        """Compile the executables the worker runs as a start-up does (startup_executables);
         returns seconds spent."""
         return compile_engines([self], widest_first=True)
 
@@ -323,7 +297,7 @@ class Engine:
         executable the start-up queued there."""
         if key not in cache:
             bg = self.background
-            if bg is not None and (optional or self._queueing or bg.queued(cache, key)):
+            if bg is not None and (optional or bg.takes(cache, key)):
                 return bg.get(cache, key, lower)
             cache[key] = self.runner.compile(lower())
         return cache[key]

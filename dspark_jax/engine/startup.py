@@ -1,5 +1,6 @@
 """What an engine is built from and compiled with at start-up: the worker a drafter calls for,
-and every executable of several engines compiled at once, on all of a GPU host's cores."""
+the executables it needs before serving (on the GPU the widest of each kind, the rest queued in
+the background), and those of several engines compiled at once, on all of a GPU host's cores."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 import os
 import time
 
+from dspark_jax.engine.background_compile import ExecutablePending
 from dspark_jax.engine.worker import PlainWorker, Worker
 
 log = logging.getLogger(__name__)
@@ -38,10 +40,10 @@ def compile_engines(engines, progress=None, *, widest_first: bool = False) -> fl
     """Compile every executable the engines' workers run, several at a time on a GPU host (XLA
     compiles outside the GIL, so the host's cores share the work), logging progress; returns
     seconds spent.  widest_first: as a start-up does, only the executables each engine needs
-    before it serves (Engine.startup_executables), the rest then queued in its background.
+    before it serves (startup_executables), the rest then queued in its background.
     progress(done, total, label), if given, is called with (0, total, None) first, then as each
     executable is compiled (e.g. to draw a progress bar)."""
-    plans = [e.startup_executables() if widest_first else (e.executables(), []) for e in engines]
+    plans = [startup_executables(e) if widest_first else (e.executables(), []) for e in engines]
     todo = [item for now, _ in plans for item in now]
     t0 = time.perf_counter()
     if progress is not None:
@@ -64,7 +66,27 @@ def compile_engines(engines, progress=None, *, widest_first: bool = False) -> fl
     spent = time.perf_counter() - t0
     for e, (_, later) in zip(engines, plans):
         if later:
-            e.queue_compiles(later)
-            log.info("the other executables compile in the background; until each is ready, its steps run "
-                     "padded on a wider one")
+            with e.background.queueing():
+                for _, build in later:
+                    try:
+                        build()
+                    except ExecutablePending:
+                        pass
+            log.info("%d more executables compile in the background; until each is ready, its steps run "
+                     "padded on a wider one", len(later))
     return spent
+
+
+def startup_executables(engine) -> tuple[list, list]:
+    """(label, compile thunk) of the executables a start-up compiles before serving, and of those
+    it then queues on the background compile thread.  Where the engine compiles its widest first
+    (and no profile needs every shape), before serving come the widest of each kind (a step of
+    any batch runs padded on it) and the logit processors'; else all, and nothing after."""
+    if not engine.widest_first or getattr(engine.worker, "needs_calibration", False):
+        return engine.executables(), []
+    worker = engine.worker
+    first = worker.executables(worker.widest(processed=False))
+    # the widest processed steps head the queue: a request with logprobs or penalties then
+    # waits for nothing else to load
+    later = worker.executables(worker.widest(processed=True)) if worker.pads(True) else []
+    return first + (engine.processors.executables() if engine.processors else []), later + worker.executables()

@@ -45,9 +45,18 @@ class Worker:
     def bind(self, engine) -> None:
         self.engine = engine
 
-    def executables(self) -> list[tuple[str, Callable[[], object]]]:
-        """(label, compile thunk) of every executable the worker runs, for start-up."""
+    def keys(self) -> list[tuple]:
+        """The key of every executable the worker runs, compiled at start-up."""
         return []
+
+    def describe(self, key: tuple) -> str:
+        """An executable's key for people (start-up progress, logs)."""
+        return " ".join(map(str, key))
+
+    def executables(self, keys: list[tuple] | None = None) -> list[tuple[str, Callable[[], object]]]:
+        """(label, compile thunk) of every executable the worker runs (or of these keys)."""
+        return [(self.describe(key), functools.partial(self.step_executable, key))
+                for key in (self.keys() if keys is None else keys)]
 
     def widest(self, processed: bool) -> list[tuple]:
         """The keys of the widest step (most tokens, rows and pages) of every kind the worker runs
@@ -72,7 +81,8 @@ class Worker:
     def pads(self, processed: int | bool) -> bool:
         """Whether a step at this processing level asks for its kind's widest shape first, to run
         padded on it while its own compiles: where processed steps compile in the background."""
-        return bool(processed) and self.engine.background is not None
+        e = self.engine
+        return bool(processed) and e.background is not None and e.processors is not None
 
     def calibrate(self, cached_only: bool = False) -> None:
         """Runs once the executables are compiled (e.g. to profile this device's step costs);
@@ -189,12 +199,16 @@ class PlainWorker(Worker):
             for prefill, variant in ((True, "any"), (True, "any-constrained"), (False, "greedy"), (False, "stochastic"),
                                      (False, "processed"), (False, "constrained"))}
 
-    def _shapes(self):
+    def keys(self):
         e = self.engine
         variants = ("greedy", "stochastic") + (("processed",) if e.processors and e.processors.precompile else ())
         decode = [(b, b, p, v) for b in e.decode_buckets for p in e.page_widths for v in variants]
         prefill = [(t, s, e.pages_per_seq, "any") for t, s in prefill_shapes(e)]
         return prefill + decode
+
+    def describe(self, key):
+        T, S, P, v = key
+        return f"{'prefill' if v.startswith('any') else 'decode'} tokens={T} seqs={S} pages={P} {v}"
 
     def _lstate(self, variant: str):
         """The logit-processor state a step of this variant takes (None: it takes none)."""
@@ -202,10 +216,6 @@ class PlainWorker(Worker):
         if processors is None or variant in ("greedy", "stochastic"):
             return None
         return processors.state_for(CONSTRAINED if variant.endswith("constrained") else True)
-
-    def executables(self):
-        return [(f"{'prefill' if v.startswith('any') else 'decode'} tokens={T} seqs={S} pages={P} {v}",
-                 functools.partial(self._executable, T, S, P, v)) for T, S, P, v in self._shapes()]
 
     def _executable(self, T: int, S: int, P: int, variant: str):
         def lower():  # only on a miss: _executable runs on every step

@@ -207,18 +207,20 @@ class DSparkWorker(DraftWorker):
         return spec.mode if keeps else "static"
 
     # -- compilation ---------------------------------------------------------------------------
-    def executables(self):
+    def keys(self):
         e = self.engine
-        out = [(f"dspark prefill tokens={T} seqs={S}", functools.partial(self._prefill_executable, T, S))
-               for T, S in prefill_shapes(e)]
         shapes = [(self.mode, T, S) for T, S in self.tiers.shapes(trimmed=self.mode != "static")]
         if self._decodes:
             shapes += [(mode, T, T) for T in e.decode_buckets for mode in DECODE_MODES]
-        for mode, T, S in shapes:
-            out += [(f"dspark {mode} round tokens={T} rows={S} pages={P}{' processed' if processed else ''}",
-                     functools.partial(self._round_executable, mode, T, S, P, processed))
-                    for P in e.page_widths for processed in self.processed_variants()]
-        return out
+        return [("prefill", T, S, True) for T, S in prefill_shapes(e)] + [
+            ("round", mode, T, S, P, processed) for mode, T, S in shapes
+            for P in e.page_widths for processed in self.processed_variants()]
+
+    def describe(self, key):
+        if key[0] == "prefill":
+            return f"dspark prefill tokens={key[1]} seqs={key[2]}"
+        mode, T, S, P, processed = key[1:]
+        return f"dspark {mode} round tokens={T} rows={S} pages={P}{' processed' if processed else ''}"
 
     def _prefill_executable(self, T: int, S: int, level: int | bool = True):
         e = self.engine

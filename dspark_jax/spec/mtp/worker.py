@@ -92,16 +92,17 @@ class MTPWorker(DraftWorker):
         e = self.engine
         return ("round", *self._round_shape(max(e.decode_buckets)), max(e.page_widths), processed)
 
-    def executables(self):
+    def keys(self):
         e = self.engine
-        out = [(f"mtp prefill tokens={T} seqs={S}", functools.partial(self._prefill_executable, T, S))
-               for T, S in prefill_shapes(e)]
-        for b in e.decode_buckets:
-            T, S = self._round_shape(b)
-            out += [(f"mtp round tokens={T} rows={S} pages={P}{' processed' if processed else ''}",
-                     functools.partial(self._round_executable, T, S, P, processed))
-                    for P in e.page_widths for processed in self.processed_variants()]
-        return out
+        return [("prefill", T, S, True) for T, S in prefill_shapes(e)] + [
+            ("round", *self._round_shape(b), P, processed) for b in e.decode_buckets
+            for P in e.page_widths for processed in self.processed_variants()]
+
+    def describe(self, key):
+        if key[0] == "prefill":
+            return f"mtp prefill tokens={key[1]} seqs={key[2]}"
+        T, S, P, processed = key[1:]
+        return f"mtp round tokens={T} rows={S} pages={P}{' processed' if processed else ''}"
 
     def _caches(self):
         return self.engine.runner.cache, self.dcache, self.pending
