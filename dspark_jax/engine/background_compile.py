@@ -103,8 +103,9 @@ class BackgroundCompiles:
 
 
 def own_or_cover(cache: dict, key: tuple, get: Callable, *, dims: tuple[int, ...], widest: tuple | None):
-    """(key, executable) of a step: key's own, or while that compiles in the background, the narrowest compiled key as wide or wider at the positions
-    ``dims`` (tokens, rows, pages: the step runs padded) and equal to key elsewhere.
+    """(key, executable) of a step: key's own, or while that compiles in the background, the
+    narrowest compiled key as wide or wider at the positions ``dims`` (tokens, rows, pages: the
+    step runs padded) and equal to key elsewhere.
     get(key) returns key's executable or raises ExecutablePending.  ``widest`` (a shape that
     holds any batch of key's kind) is asked for first, so after one compile nothing waits."""
     if widest is not None and widest != key:

@@ -65,15 +65,17 @@ def compile_engines(engines, progress=None, *, widest_first: bool = False) -> fl
         e.runner.take_compile_spans()
     spent = time.perf_counter() - t0
     for e, (_, later) in zip(engines, plans):
-        if later:
-            with e.background.queueing():
-                for _, build in later:
-                    try:
-                        build()
-                    except ExecutablePending:
-                        pass
-            log.info("%d more executables compile in the background; until each is ready, its steps run "
-                     "padded on a wider one", len(later))
+        if not later:
+            continue
+        queued = 0
+        with e.background.queueing():
+            for _, build in later:  # (those compiled already are skipped)
+                try:
+                    build()
+                except ExecutablePending:
+                    queued += 1
+        log.info("%d more executables compile in the background; until each is ready, its steps run "
+                     "padded on a wider one", queued)
     return spent
 
 

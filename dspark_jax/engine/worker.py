@@ -274,8 +274,10 @@ class PlainWorker(Worker):
         ahead = 0 if prev is None else 1
         B = round_up(len(reqs), e.decode_buckets)
         P = e.page_width(max(r.total_len for r in reqs) + ahead)
-        sample = lambda B: sampling_arrays([r.params for r in reqs], [r.seed for r in reqs],  # noqa: E731
-                                           [r.total_len + ahead for r in reqs], B)
+        def sample(rows: int) -> tuple:
+            return sampling_arrays([r.params for r in reqs], [r.seed for r in reqs],
+                                   [r.total_len + ahead for r in reqs], rows)
+
         sampling, level = sample(B), LogitProcessors.level(reqs)
         variant = ("constrained" if level == CONSTRAINED else "processed") if level else (
             "stochastic" if sampling[0].any() else "greedy")
