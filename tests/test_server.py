@@ -290,7 +290,9 @@ def test_logprobs_on_every_endpoint_agree_and_are_log_softmax_values(server, cli
     assert client.chat.completions.create(**ckw).choices[0].logprobs is None
     chunks = list(client.chat.completions.create(logprobs=True, top_logprobs=2, stream=True, **ckw))
     streamed = [e for ch in chunks for c_ in ch.choices if c_.logprobs for e in c_.logprobs.content]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # (equal up to float rounding: a step may run padded on a wider shape while its own compiles)
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
     _wait_idle(server)
 
 
