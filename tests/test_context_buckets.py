@@ -66,9 +66,9 @@ def test_plain_decode_runs_narrow_tables_and_commits_the_same_tokens(model_dir, 
     expected = [r.token_ids for r in wide.generate(prompts, params)]
     widths, run = [], eng.worker.run
 
-    def recording(batch, sampling, variant):
+    def recording(batch, sampling, variant, fn=None):
         widths.append(batch.page_table.shape[1])
-        return run(batch, sampling, variant)
+        return run(batch, sampling, variant, fn)
 
     eng.worker.run = recording
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):

@@ -159,9 +159,9 @@ def test_host_chosen_sampling_variants_serve_mixed_batches(tiny_engine, caplog):
     eng.generate(prompts[:2], GREEDY)  # warm host paths
     seen, run = [], eng.worker.run
 
-    def recording(batch, sampling, variant):
+    def recording(batch, sampling, variant, fn=None):
         seen.append(variant)
-        return run(batch, sampling, variant)
+        return run(batch, sampling, variant, fn)
 
     eng.worker.run = recording
     try:

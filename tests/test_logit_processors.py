@@ -233,7 +233,7 @@ def test_unprocessed_batches_keep_their_executables(model_dir, target):
     lazy = Engine.from_pretrained(model_dir, EngineConfig(**ec))
     assert "processed" not in {k[3] for k in lazy.worker._compiled}
     seen, run = [], lazy.worker.run
-    lazy.worker.run = lambda batch, sampling, variant: seen.append(variant) or run(batch, sampling, variant)
+    lazy.worker.run = lambda batch, sampling, variant, fn=None: seen.append(variant) or run(batch, sampling, variant, fn)
     lazy.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
     assert "processed" not in seen
     off = Engine.from_pretrained(model_dir, EngineConfig(**ec, logit_processors="off"))

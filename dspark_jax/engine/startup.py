@@ -75,7 +75,7 @@ def compile_engines(engines, progress=None, *, widest_first: bool = False) -> fl
                 except ExecutablePending:
                     queued += 1
         log.info("%d more executables compile in the background; until each is ready, its steps run "
-                     "padded on a wider one", queued)
+                 "padded on a wider one", queued)
     return spent
 
 

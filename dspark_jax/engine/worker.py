@@ -227,15 +227,17 @@ class PlainWorker(Worker):
         return self.engine.compiled(self._compiled, (T, S, P, variant), lower,
                                     optional=variant in ("processed", "constrained", "any-constrained"))
 
-    def run(self, batch: ForwardBatch, sampling, variant: str):
+    def run(self, batch: ForwardBatch, sampling, variant: str, fn=None):
         """Dispatch one step on a packed batch (variant: "any" or "any-constrained" for prefill,
         "greedy", "stochastic", "processed" or "constrained" for decode; the last three sample
         the same way, the processed ones with logit processors, whose slot column ends their
         sampling arrays).  Returns its sampled tokens, not yet read; all but "greedy" and
-        "stochastic" also their logprobs: (tokens, TokenLogprobs or None)."""
+        "stochastic" also their logprobs: (tokens, TokenLogprobs or None).  fn: the batch's
+        executable, where the caller has it already."""
         runner = self.engine.runner
-        S, P = batch.page_table.shape
-        fn = self._executable(batch.input_ids.shape[0], S, P, variant)
+        if fn is None:
+            S, P = batch.page_table.shape
+            fn = self._executable(batch.input_ids.shape[0], S, P, variant)
         lstate = self._lstate(variant)
         tokens, lp, runner.cache, lstate = fn(runner.state, runner.cache, lstate, batch, sampling)
         if lstate is not None:
@@ -245,9 +247,9 @@ class PlainWorker(Worker):
     def prefill(self, chunks):
         e = self.engine
         variant = "any" if prefill_level(chunks) is True else "any-constrained"
-        (T, _, _, _), _ = own_or_cover(self._compiled, (prefill_tokens(e, chunks), e.prefill_seqs, e.pages_per_seq,
-                                                        variant), self.step_executable, dims=(0,), widest=None)
-        return self.run(*prefill_batch(e, chunks, T), variant)
+        (T, _, _, _), fn = own_or_cover(self._compiled, (prefill_tokens(e, chunks), e.prefill_seqs, e.pages_per_seq,
+                                                         variant), self.step_executable, dims=(0,), widest=None)
+        return self.run(*prefill_batch(e, chunks, T), variant, fn)
 
     def feeds(self, prev, reqs):
         """The same batch at its own width (a step padded onto a wider shape feeds nothing)."""
@@ -274,6 +276,7 @@ class PlainWorker(Worker):
         ahead = 0 if prev is None else 1
         B = round_up(len(reqs), e.decode_buckets)
         P = e.page_width(max(r.total_len for r in reqs) + ahead)
+
         def sample(rows: int) -> tuple:
             return sampling_arrays([r.params for r in reqs], [r.seed for r in reqs],
                                    [r.total_len + ahead for r in reqs], rows)
@@ -282,9 +285,9 @@ class PlainWorker(Worker):
         variant = ("constrained" if level == CONSTRAINED else "processed") if level else (
             "stochastic" if sampling[0].any() else "greedy")
         # while its own shape compiles in the background, a wider one (if not fed)
-        (width, _, P, _), _ = own_or_cover(self._compiled, (B, B, P, variant), self.step_executable,
-                                           dims=(2,) if prev is not None else (0, 1, 2),
-                                           widest=self._widest(variant) if self.pads(level) else None)
+        (width, _, P, _), fn = own_or_cover(self._compiled, (B, B, P, variant), self.step_executable,
+                                            dims=(2,) if prev is not None else (0, 1, 2),
+                                            widest=self._widest(variant) if self.pads(level) else None)
         if width != B:
             B, sampling = width, sample(width)
         seqs = [(np.asarray(r.output_ids[-1:]), r.total_len - 1 + ahead, e.pool.pages(r.id)[:P]) for r in reqs]
@@ -292,11 +295,11 @@ class PlainWorker(Worker):
         if prev is not None:
             batch = batch._replace(input_ids=prev.tokens)
         if level:
-            tokens, lp = self.run(batch, sampling + (LogitProcessors.slots(reqs, B),), variant)
+            tokens, lp = self.run(batch, sampling + (LogitProcessors.slots(reqs, B),), variant, fn)
             for x in lp:
                 prefetch(x)
         else:
-            tokens, lp = self.run(batch, sampling, variant), None
+            tokens, lp = self.run(batch, sampling, variant, fn), None
         prefetch(tokens)
         return _DecodeStep(reqs, tokens, lp)
 
