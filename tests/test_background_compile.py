@@ -236,18 +236,56 @@ def test_a_widest_first_start_up_serves_on_the_widest_while_the_rest_compile(tar
     eng.pool.check_invariants()
 
 
-def test_a_start_up_that_profiles_compiles_every_shape_first(target):  # noqa: F811
-    """A cost table still to be derived profiles every tier, so even a widest-first start-up
-    compiles them all before serving; a table given up front leaves the rest for later."""
+def test_a_start_up_that_profiles_compiles_what_the_profile_runs_first(target):  # noqa: F811
+    """A cost table still to be derived profiles every tier on its own executable with greedy
+    requests, so a widest-first start-up compiles all of those before serving, and queues only
+    the narrower executables that sampled batches alone run; a table given up front leaves
+    everything but the widest for later."""
     def startup(table):
         eng = Engine(target, None, EngineConfig(**{**EC, "widest_first": True}), drafter=repeat_biased_drafter(target),
                      spec=SpeculativeConfig(mode="compact", cost_table=table))
-        return startup_executables(eng)
+        return eng, startup_executables(eng)
 
-    now, later = startup("derive")
-    assert later == [] and len(now) > 6
-    now, later = startup(TABLE)
+    eng, (now, later) = startup("derive")
+    keys, widest = eng.worker.keys(), eng.worker.widest(processed=False)
+    sampled = [k for k in keys if k[:2] == ("round", "decode")]
+    assert later == [] and len(sampled) > 1
+    assert {label for label, _ in now} == {eng.worker.describe(k) for k in keys if k in widest or k not in sampled} | {
+        label for label, _ in eng.processors.executables()}
+    _, (now, later) = startup(TABLE)
     assert len(now) < len(later)
+
+
+def test_a_profiling_start_up_queues_the_rest_once_the_table_is_derived(target, tmp_path, monkeypatch):  # noqa: F811
+    """The profile runs on what the start-up compiled (nothing compiles in its loop, nothing is
+    queued while it times); then the sampled-only executables queue, and sampled requests run
+    padded on the widest until theirs are ready, committing an eagerly compiled engine's tokens."""
+    from dspark_jax.spec.dspark import profile, worker
+
+    monkeypatch.setattr(profile, "derive_cost_table", lambda w, cache_dir=None, measure=True, real=profile.derive_cost_table:
+                        real(w, tmp_path, measure))
+    monkeypatch.setattr(worker.DSparkWorker, "speculation_pays", lambda self: True)  # keep the drafter either way
+    config = EngineConfig(**{**EC, "widest_first": True, "precompile": False})
+    eng = Engine(target, None, config, drafter=repeat_biased_drafter(target),
+                 spec=SpeculativeConfig(mode="compact", cost_table="derive"))
+    bg, gate, compile_fn = eng.background, threading.Event(), eng.background._compile
+    bg._compile = lambda lowered: gate.wait(60) and compile_fn(lowered)
+    first = {k for k in eng.worker.keys() if not eng.worker.sampled_only(k)} | set(eng.worker.widest(processed=False))
+    eng.prepare()
+    assert not eng.worker.needs_calibration and eng.worker.scheduler.cost_table is not None
+    assert set(eng.worker._compiled) == first  # the profile compiled nothing more in its loop
+    queued = {key for _, key in bg._pending}
+    assert queued and all(eng.worker.sampled_only(k) for k in queued if k not in eng.worker.widest(processed=True))
+    params = [SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.9, seed=5),
+              SamplingParams(max_new_tokens=7, ignore_eos=True)]
+    eager = Engine(target, None, EngineConfig(**{**EC, "widest_first": False}), drafter=repeat_biased_drafter(target),
+                   spec=SpeculativeConfig(mode="compact", cost_table=eng.worker.scheduler.cost_table))
+    want = eager.generate(PROMPTS, params)
+    got = eng.generate(PROMPTS, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert set(eng.worker._compiled) == first
+    gate.set()
+    _wait_idle(bg)
 
 
 def test_a_profile_waits_for_the_queued_compiles(target):  # noqa: F811

@@ -30,7 +30,7 @@ from dspark_jax.engine.config import EngineConfig
 from dspark_jax.engine.model_runner import ModelRunner, batch_ladder, enable_compilation_cache, round_up
 from dspark_jax.engine.request import GenerationResult, Request, Status
 from dspark_jax.engine.scheduler import Scheduler
-from dspark_jax.engine.startup import compile_engines, make_worker
+from dspark_jax.engine.startup import compile_engines, make_worker, queue_in_background, startup_executables
 from dspark_jax.engine.worker import PlainWorker, Worker
 from dspark_jax.errors import InvalidRequestError
 from dspark_jax.grammar.compile import GrammarCompiler
@@ -138,8 +138,11 @@ class Engine:
         compile_engines; startup.startup_executables says which before serving), then let the
         worker measure this device."""
         self.calibrate(compile=False, cached_only=True)
+        worker, profiles = self.worker, getattr(self.worker, "needs_calibration", False)
         self.compile_seconds = compile_engines([self], progress, widest_first=True)
         self.calibrate(compile=True)
+        if profiles and self.worker is worker and self.widest_first:  # what the profile did not run
+            queue_in_background(self, startup_executables(self)[1])
 
     def calibrate(self, compile: bool | None = None, cached_only: bool = False) -> None:
         """Let the worker measure this device once its executables exist (a DSpark engine asked to

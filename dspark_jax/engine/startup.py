@@ -65,30 +65,42 @@ def compile_engines(engines, progress=None, *, widest_first: bool = False) -> fl
         e.runner.take_compile_spans()
     spent = time.perf_counter() - t0
     for e, (_, later) in zip(engines, plans):
-        if not later:
-            continue
-        queued = 0
-        with e.background.queueing():
-            for _, build in later:  # (those compiled already are skipped)
-                try:
-                    build()
-                except ExecutablePending:
-                    queued += 1
-        log.info("%d more executables compile in the background; until each is ready, its steps run "
-                 "padded on a wider one", queued)
+        queue_in_background(e, later)
     return spent
+
+
+def queue_in_background(engine, executables) -> None:
+    """Queue these (label, compile thunk) on the engine's background compile thread; those
+    compiled or queued already are skipped."""
+    if not executables:
+        return
+    queued = 0
+    with engine.background.queueing():
+        for _, build in executables:
+            try:
+                build()
+            except ExecutablePending:
+                queued += 1
+    log.info("%d more executables compile in the background; until each is ready, its steps run "
+             "padded on a wider one", queued)
 
 
 def startup_executables(engine) -> tuple[list, list]:
     """(label, compile thunk) of the executables a start-up compiles before serving, and of those
-    it then queues on the background compile thread.  Where the engine compiles its widest first
-    (and no profile needs every shape), before serving come the widest of each kind (a step of
-    any batch runs padded on it) and the logit processors'; else all, and nothing after."""
-    if not engine.widest_first or getattr(engine.worker, "needs_calibration", False):
+    it then queues on the background compile thread.  Where the engine compiles its widest first,
+    before serving come the widest of each kind (a step of any batch runs padded on it) and the
+    logit processors'; else all, and nothing after.  A cost table still to be derived profiles
+    every tier on its own executable with greedy requests, so then all come first but the
+    narrower executables only sampled batches run, which the start-up queues once the profile
+    is done (Engine.prepare)."""
+    if not engine.widest_first:
         return engine.executables(), []
     worker = engine.worker
-    first = worker.executables(worker.widest(processed=False))
+    processors = engine.processors.executables() if engine.processors else []
+    widest = worker.widest(processed=False)
+    if getattr(worker, "needs_calibration", False):
+        return worker.executables([k for k in worker.keys() if k in widest or not worker.sampled_only(k)]) + processors, []
     # the widest processed steps head the queue: a request with logprobs or penalties then
     # waits for nothing else to load
     later = worker.executables(worker.widest(processed=True)) if worker.pads(True) else []
-    return first + (engine.processors.executables() if engine.processors else []), later + worker.executables()
+    return worker.executables(widest) + processors, later + worker.executables()

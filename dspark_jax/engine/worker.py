@@ -46,8 +46,13 @@ class Worker:
         self.engine = engine
 
     def keys(self) -> list[tuple]:
-        """The key of every executable the worker runs, compiled at start-up."""
+        """The key of every executable the worker runs, compiled at start-up: the costliest
+        compiles first, so a start-up's pool of compile threads ends on short ones."""
         return []
+
+    def sampled_only(self, key: tuple) -> bool:
+        """Whether only a batch that samples runs key's executable (a greedy profile never does)."""
+        return False
 
     def describe(self, key: tuple) -> str:
         """An executable's key for people (start-up progress, logs)."""
@@ -204,7 +209,10 @@ class PlainWorker(Worker):
         variants = ("greedy", "stochastic") + (("processed",) if e.processors and e.processors.precompile else ())
         decode = [(b, b, p, v) for b in e.decode_buckets for p in e.page_widths for v in variants]
         prefill = [(t, s, e.pages_per_seq, "any") for t, s in prefill_shapes(e)]
-        return prefill + decode
+        return decode[::-1] + prefill[::-1]  # unrolled layers compile longer than prefill's scan
+
+    def sampled_only(self, key):
+        return key[3] == "stochastic"
 
     def describe(self, key):
         T, S, P, v = key

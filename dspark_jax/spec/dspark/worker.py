@@ -209,12 +209,16 @@ class DSparkWorker(DraftWorker):
     # -- compilation ---------------------------------------------------------------------------
     def keys(self):
         e = self.engine
-        shapes = [(self.mode, T, S) for T, S in self.tiers.shapes(trimmed=self.mode != "static")]
+        # draft-and-verify rounds compile longest, the widest first; prefill (scanned) shortest
+        shapes = [(self.mode, T, S) for T, S in self.tiers.shapes(trimmed=self.mode != "static")][::-1]
         if self._decodes:
-            shapes += [(mode, T, T) for T in e.decode_buckets for mode in DECODE_MODES]
-        return [("prefill", T, S, True) for T, S in prefill_shapes(e)] + [
-            ("round", mode, T, S, P, processed) for mode, T, S in shapes
-            for P in e.page_widths for processed in self.processed_variants()]
+            shapes += [(mode, T, T) for T in e.decode_buckets[::-1] for mode in DECODE_MODES]
+        return [("round", mode, T, S, P, processed) for mode, T, S in shapes
+                for P in e.page_widths[::-1] for processed in self.processed_variants()] + [
+            ("prefill", T, S, True) for T, S in prefill_shapes(e)][::-1]
+
+    def sampled_only(self, key):
+        return key[:2] == ("round", "decode")
 
     def describe(self, key):
         if key[0] == "prefill":

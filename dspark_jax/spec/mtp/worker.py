@@ -94,9 +94,9 @@ class MTPWorker(DraftWorker):
 
     def keys(self):
         e = self.engine
-        return [("prefill", T, S, True) for T, S in prefill_shapes(e)] + [
-            ("round", *self._round_shape(b), P, processed) for b in e.decode_buckets
-            for P in e.page_widths for processed in self.processed_variants()]
+        rounds = [("round", *self._round_shape(b), P, processed) for b in e.decode_buckets
+                  for P in e.page_widths for processed in self.processed_variants()]
+        return rounds[::-1] + [("prefill", T, S, True) for T, S in prefill_shapes(e)][::-1]
 
     def describe(self, key):
         if key[0] == "prefill":
