@@ -25,6 +25,7 @@ import numpy as np
 
 from dspark_jax.checkpoint import load_model
 from dspark_jax.config import Qwen3Config
+from dspark_jax.engine.admission import check_params, encode_prompt
 from dspark_jax.engine.background_compile import BackgroundCompiles, ExecutablePending
 from dspark_jax.engine.config import EngineConfig
 from dspark_jax.engine.model_runner import ModelRunner, batch_ladder, enable_compilation_cache, round_up
@@ -36,7 +37,7 @@ from dspark_jax.errors import InvalidRequestError
 from dspark_jax.grammar.compile import GrammarCompiler
 from dspark_jax.kv_cache import allocate_kv_cache, kv_bytes_per_token
 from dspark_jax.layers.layer_split import split_layers, worth_splitting
-from dspark_jax.logit_processors import CONSTRAINED, MAX_STOP_IDS, LogitProcessors
+from dspark_jax.logit_processors import CONSTRAINED, LogitProcessors
 from dspark_jax.models.qwen3 import Qwen3ForCausalLM
 from dspark_jax.page_pool import PagePool
 from dspark_jax.parallel.host import to_host
@@ -209,45 +210,12 @@ class Engine:
     # -- requests ------------------------------------------------------------------------------
     def encode_prompt(self, prompt) -> list[int]:
         """Token ids of a prompt (text or ids), checked against the vocabulary and the context."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this engine has no tokenizer: pass token ids")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            try:
-                ids = [int(t) for t in prompt]
-            except (TypeError, ValueError):
-                raise InvalidRequestError("prompt must be a string or a list of integer token ids") from None
-        if not ids:
-            raise InvalidRequestError("prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
-        if len(ids) + self.lookahead >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens; the context is {self.max_model_len}, which must also hold "
-                f"at least one generated token{f' and a {self.lookahead}-token draft block' if self.lookahead else ''}")
-        return ids
+        return encode_prompt(prompt, self.tokenizer, self.config.vocab_size, self.max_model_len, self.lookahead)
 
     def check_params(self, params: SamplingParams | None) -> SamplingParams:
         """A validated copy of a request's sampling parameters (default ones for None), checked
         against this engine: the vocabulary, and whether it runs logit processors."""
-        params = dataclasses.replace(params) if params else SamplingParams()
-        params.validate(vocab_size=self.num_tokens)
-        if params.needs_processed_steps and self.processors is None:
-            raise InvalidRequestError("logprobs, penalties, logit_bias, min_tokens and structured output need an "
-                                      "engine with logit processors (EngineConfig.logit_processors is 'off')")
-        g = params.compiled_grammar
-        if params.grammar is None:
-            params.compiled_grammar = None
-        elif g is None or g.key != tuple(params.grammar) or g.table.shape[1] != self.processors.vocab:
-            # (compiled already, off the engine thread, where a server checked the request)
-            params.compiled_grammar = self.grammars.compile(*params.grammar)
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos and not params.grammar else set(self.eos_ids))
-        if params.min_tokens and len(stops) > MAX_STOP_IDS:
-            raise InvalidRequestError(f"min_tokens masks at most {MAX_STOP_IDS} stop and EOS ids; this request "
-                                      f"has {len(stops)}")
-        return params
+        return check_params(params, self.num_tokens, self.processors, self.grammars, self.eos_ids)
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         req = self.make_request(prompt, params, request_id)
