@@ -211,9 +211,6 @@ class PlainWorker(Worker):
         prefill = [(t, s, e.pages_per_seq, "any") for t, s in prefill_shapes(e)]
         return decode[::-1] + prefill[::-1]  # unrolled layers compile longer than prefill's scan
 
-    def sampled_only(self, key):
-        return key[3] == "stochastic"
-
     def describe(self, key):
         T, S, P, v = key
         return f"{'prefill' if v.startswith('any') else 'decode'} tokens={T} seqs={S} pages={P} {v}"
