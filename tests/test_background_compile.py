@@ -220,9 +220,12 @@ def test_a_widest_first_start_up_serves_on_the_widest_while_the_rest_compile(tar
     eng.prepare()
     widest = eng.worker.widest(processed=False)
     assert set(eng.worker._compiled) == set(widest) and bg.busy  # the rest queued, none built
-    # the widest processed steps head the queue, so a processed request waits for them alone
+    # the widest processed steps head the queue, so a processed request waits for them alone;
+    # then the narrowest, whose batches the widest holds with the most padding
     processed = eng.worker.widest(processed=True)
-    assert [key for _, key in bg._pending][:len(processed)] == processed
+    queued = [key for _, key in bg._pending]
+    assert queued[:len(processed)] == processed
+    assert queued[len(processed):] == [k for k in eng.worker.keys()[::-1] if k not in widest]
     got = eng.generate(PROMPTS, params)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert set(eng.worker._compiled) == set(widest)  # nothing compiled in the loop
@@ -248,6 +251,8 @@ def test_a_start_up_that_profiles_compiles_what_the_profile_runs_first(target): 
 
     eng, (now, later) = startup("derive")
     keys, widest = eng.worker.keys(), eng.worker.widest(processed=False)
+    # the start-up's compile pool starts the costliest first: the widest round, prefill (scanned) last
+    assert keys[0] == widest[1] and keys[0][1] == "compact" and keys[-1][0] == "prefill"
     sampled = [k for k in keys if k[:2] == ("round", "decode")]
     assert later == [] and len(sampled) > 1
     assert {label for label, _ in now} == {eng.worker.describe(k) for k in keys if k in widest or k not in sampled} | {

@@ -101,6 +101,6 @@ def startup_executables(engine) -> tuple[list, list]:
     if getattr(worker, "needs_calibration", False):
         return worker.executables([k for k in worker.keys() if k in widest or not worker.sampled_only(k)]) + processors, []
     # the widest processed steps head the queue: a request with logprobs or penalties then
-    # waits for nothing else to load
+    # waits for nothing else to load; then the narrowest first, whose batches pad the most
     later = worker.executables(worker.widest(processed=True)) if worker.pads(True) else []
-    return worker.executables(widest) + processors, later + worker.executables()
+    return worker.executables(widest) + processors, later + worker.executables(worker.keys()[::-1])

@@ -47,7 +47,8 @@ class Worker:
 
     def keys(self) -> list[tuple]:
         """The key of every executable the worker runs, compiled at start-up: the costliest
-        compiles first, so a start-up's pool of compile threads ends on short ones."""
+        compiles first, so a start-up's pool of compile threads ends on short ones (its
+        background queue takes them the other way round, narrowest first)."""
         return []
 
     def sampled_only(self, key: tuple) -> bool:
