@@ -11,7 +11,6 @@ rest here: until its own is ready, a step runs padded on the widest (own_or_cove
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -32,17 +31,23 @@ class BackgroundCompiles:
         self._compile = compile_fn
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: dict = {}  # (id(cache), key) -> (cache, key, future, start time)
-        self._queueing = False  # inside queueing(): every executable asked for is queued here
+        self._queueing = False  # inside queue(): every executable asked for is queued here
 
-    @contextlib.contextmanager
-    def queueing(self):
-        """Within: every executable a worker asks for and lacks is queued here (a start-up
-        leaving them for later; logged once, by the caller)."""
+    def queue(self, builds) -> int:
+        """Queue executables here: each of ``builds`` is a worker's compile thunk (which asks the
+        engine for its executable, and raises ExecutablePending once it is queued); those built
+        or queued already are skipped.  Returns how many were queued (logged by the caller)."""
+        queued = 0
         self._queueing = True
         try:
-            yield
+            for build in builds:
+                try:
+                    build()
+                except ExecutablePending:
+                    queued += 1
         finally:
             self._queueing = False
+        return queued
 
     def takes(self, cache: dict, key) -> bool:
         """Whether key's executable for this cache builds here: queued already, or being queued."""

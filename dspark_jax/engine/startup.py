@@ -9,7 +9,6 @@ import logging
 import os
 import time
 
-from dspark_jax.engine.background_compile import ExecutablePending
 from dspark_jax.engine.worker import PlainWorker, Worker
 
 log = logging.getLogger(__name__)
@@ -74,13 +73,7 @@ def queue_in_background(engine, executables) -> None:
     compiled or queued already are skipped."""
     if not executables:
         return
-    queued = 0
-    with engine.background.queueing():
-        for _, build in executables:
-            try:
-                build()
-            except ExecutablePending:
-                queued += 1
+    queued = engine.background.queue(build for _, build in executables)
     log.info("%d more executables compile in the background; until each is ready, its steps run "
              "padded on a wider one", queued)
 

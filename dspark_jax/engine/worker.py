@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable
 
 import jax
 import numpy as np
 from flax import nnx
 
-from dspark_jax.engine.background_compile import ExecutablePending, own_or_cover
+from dspark_jax.engine.background_compile import own_or_cover
 from dspark_jax.engine.flat_state import with_flat_states
 from dspark_jax.engine.model_runner import abstract, round_up
 from dspark_jax.engine.request import Request, Status
@@ -26,6 +27,7 @@ from dspark_jax.logprobs import TokenLogprobs
 from dspark_jax.parallel.host import prefetch, to_host
 from dspark_jax.sampling import sampling_arrays, sampling_struct
 
+log = logging.getLogger(__name__)
 
 class Worker:
     """What the engine asks of an algorithm.  ``bind`` runs once the engine's pool and target
@@ -78,11 +80,9 @@ class Worker:
     def warm_processed(self) -> None:
         """At start-up, once the executables are compiled: queue the widest processed steps on
         the background compile thread (where processed steps compile there)."""
-        for key in self.widest(processed=True) if self.pads(True) else ():
-            try:
-                self.step_executable(key)
-            except ExecutablePending:
-                pass
+        if self.pads(True):
+            queued = self.engine.background.queue(build for _, build in self.executables(self.widest(processed=True)))
+            log.info("%d widest processed steps compile in the background", queued)
 
     def pads(self, processed: int | bool) -> bool:
         """Whether a step at this processing level asks for its kind's widest shape first, to run
