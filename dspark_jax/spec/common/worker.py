@@ -3,6 +3,7 @@ per-round host arrays, packed transfers, and the round statistics."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -126,11 +127,13 @@ class DraftWorker(Worker):
         e = self.engine
         return ("prefill", max(e.prefill_buckets), e.prefill_seqs, True)
 
-    def pack(self, key, abstract_inputs, device_fields: tuple[str, ...] = ()) -> HostPack:
-        """The (cached) host-buffer layout of a NamedTuple of inputs or results."""
-        if key not in self._packs:
-            self._packs[key] = HostPack.of(abstract_inputs, device_fields)
-        return self._packs[key]
+    def pack(self, key, abstract_inputs: Callable[[], tuple], device_fields: tuple[str, ...] = ()) -> HostPack:
+        """The (cached) host-buffer layout of a NamedTuple of inputs or results.  abstract_inputs
+        builds the NamedTuple's shapes, only on a miss: a dispatch looks its packs up every call."""
+        pack = self._packs.get(key)
+        if pack is None:
+            pack = self._packs[key] = HostPack.of(abstract_inputs(), device_fields)
+        return pack
 
     # -- host inputs ---------------------------------------------------------------------------
     def round_arrays(self, reqs, S: int, pages: int | None = None) -> RoundArrays:

@@ -250,13 +250,13 @@ class DSparkWorker(DraftWorker):
         return ("round", mode, T, S, max(e.page_widths), processed)
 
     def _input_pack(self, S: int, P: int):
-        shapes = SpecInputs.shapes(S, P, self.engine.ec.max_running_requests, self.rounds)
-        return self.pack(("inputs", S, P), shapes, FED_FIELDS)
+        slots, rounds = self.engine.ec.max_running_requests, self.rounds
+        return self.pack(("inputs", S, P), lambda: SpecInputs.shapes(S, P, slots, rounds), FED_FIELDS)
 
     def _result_pack(self, S: int, processed: int | bool = False):
         top = top_width(self.engine.config.vocab_size) if processed else 0
-        return self.pack(("results", S, bool(processed)), SpecOutputs.result_shapes(self.rounds, S, self.gamma, top),
-                         FED_OUTPUTS)
+        return self.pack(("results", S, bool(processed)),
+                         lambda: SpecOutputs.result_shapes(self.rounds, S, self.gamma, top), FED_OUTPUTS)
 
     def _round_executable(self, mode: str, T: int, S: int, P: int, processed: int | bool = False):
         """processed: the variant with logit processors and logprobs (dspark_jax/logit_processors.py);

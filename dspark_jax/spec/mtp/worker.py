@@ -118,13 +118,13 @@ class MTPWorker(DraftWorker):
 
     def _results_pack(self, S: int, processed: int | bool = False):
         top = top_width(self.engine.config.vocab_size) if processed else 0
-        return self.pack(("results", S, bool(processed)), MTPOutputs.result_shapes(S, self.num_steps, top))
+        return self.pack(("results", S, bool(processed)), lambda: MTPOutputs.result_shapes(S, self.num_steps, top))
 
     def _round_executable(self, T: int, S: int, P: int, processed: int | bool = False):
         """processed: the variant with logit processors and logprobs (dspark_jax/logit_processors.py);
         CONSTRAINED: with grammar masks too."""
         e = self.engine
-        pack = self.pack(("inputs", S, P), MTPInputs.shapes(S, P))
+        pack = self.pack(("inputs", S, P), lambda: MTPInputs.shapes(S, P))
         lower = lambda: self._round_jit.lower(
             abstract(e.runner.state), abstract(self.drafter_state), *abstract(self._caches()),
             abstract(self.lstate(processed)), pack.spec(), (), num_tokens=T, pack=pack,
@@ -168,7 +168,7 @@ class MTPWorker(DraftWorker):
         runner = self.engine.runner
         results, _, runner.cache, self.dcache, self.pending, lstate = fn(
             runner.state, self.drafter_state, *self._caches(), self.lstate(a.processed),
-            self.pack(("inputs", S, P), inp).pack(inp), ())
+            self.pack(("inputs", S, P), lambda: MTPInputs.shapes(S, P)).pack(inp), ())
         self.keep_lstate(lstate)
         return _Round(reqs, results, S, a.processed)
 
