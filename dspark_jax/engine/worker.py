@@ -29,6 +29,7 @@ from dspark_jax.sampling import sampling_arrays, sampling_struct
 
 log = logging.getLogger(__name__)
 
+
 class Worker:
     """What the engine asks of an algorithm.  ``bind`` runs once the engine's pool and target
     cache exist; ``lookahead`` (positions past a request's last token that one call may write)

@@ -116,6 +116,9 @@ class MTPWorker(DraftWorker):
             jax.ShapeDtypeStruct((S,), np.int32))
         return self.executable(("prefill", T, S, level), lower, optional=level == CONSTRAINED)
 
+    def _inputs_pack(self, S: int, P: int):
+        return self.pack(("inputs", S, P), lambda: MTPInputs.shapes(S, P))
+
     def _results_pack(self, S: int, processed: int | bool = False):
         top = top_width(self.engine.config.vocab_size) if processed else 0
         return self.pack(("results", S, bool(processed)), lambda: MTPOutputs.result_shapes(S, self.num_steps, top))
@@ -124,7 +127,7 @@ class MTPWorker(DraftWorker):
         """processed: the variant with logit processors and logprobs (dspark_jax/logit_processors.py);
         CONSTRAINED: with grammar masks too."""
         e = self.engine
-        pack = self.pack(("inputs", S, P), lambda: MTPInputs.shapes(S, P))
+        pack = self._inputs_pack(S, P)
         lower = lambda: self._round_jit.lower(
             abstract(e.runner.state), abstract(self.drafter_state), *abstract(self._caches()),
             abstract(self.lstate(processed)), pack.spec(), (), num_tokens=T, pack=pack,
@@ -168,7 +171,7 @@ class MTPWorker(DraftWorker):
         runner = self.engine.runner
         results, _, runner.cache, self.dcache, self.pending, lstate = fn(
             runner.state, self.drafter_state, *self._caches(), self.lstate(a.processed),
-            self.pack(("inputs", S, P), lambda: MTPInputs.shapes(S, P)).pack(inp), ())
+            self._inputs_pack(S, P).pack(inp), ())
         self.keep_lstate(lstate)
         return _Round(reqs, results, S, a.processed)
 
