@@ -43,6 +43,9 @@ class ServerMetrics:
             self.spec_block_accept_length = Gauge(P + "spec_block_accept_length", "Mean uncapped block accept length (ceiling)", registry=r)
             self.spec_utilization = Gauge(P + "spec_utilization", "accept length / ceiling", registry=r)
             self.spec_verify_calls = Counter(P + "spec_verify_calls", "Speculative verify rows", registry=r)
+            # sums beside the row count, so any interval's mean window and accept length is a ratio of deltas
+            self.spec_verify_tokens = Counter(P + "spec_verify_tokens", "Tokens verified (windows, anchor included)", registry=r)
+            self.spec_accepted_tokens = Counter(P + "spec_accepted_tokens", "Tokens committed by verify rows (bonus included)", registry=r)
         Gauge(P + "model_info", "Served model", ["model"], registry=r).labels(model=model_name).set(1)
 
     # engine-thread hooks ----------------------------------------------------------------------
@@ -57,6 +60,8 @@ class ServerMetrics:
             self.spec_block_accept_length.set(blk.mean())
             self.spec_utilization.set(acc.sum() / blk.sum() if blk.sum() else 0.0)
             self.spec_verify_calls.inc(len(acc))
+            self.spec_verify_tokens.inc(win.sum())
+            self.spec_accepted_tokens.inc(acc.sum())
 
     def on_finish(self, result) -> None:
         self.requests.labels(finish_reason=result.finish_reason).inc()

@@ -776,6 +776,13 @@ def test_speculative_server_reports_spec_stats(tmp_path_factory):
         fams = {f.name: f for f in text_string_to_metric_families(httpx.get(base + "/metrics", trust_env=False).text)}
         assert [s.value for s in fams["dspark:spec_accept_length"].samples][0] >= 1
         assert [s.value for s in fams["dspark:spec_verify_calls"].samples if s.name.endswith("_total")][0] >= 2 * mi["spec_verify_ct"] - 1
+        total = lambda name: [s.value for s in fams[name].samples if s.name.endswith("_total")][0]
+        # the counters sum what the two requests so far report for their own rows
+        details = r.model_extra["sglext"]["spec_tokens_details"]
+        assert total("dspark:spec_accepted_tokens") == sum(mi["spec_accept_lens"]) + sum(details["spec_accept_lens"])
+        windows = lambda hist: sum(w * n for w, n in enumerate(hist))
+        assert total("dspark:spec_verify_tokens") == (windows(mi["spec_cap_lens_histogram"])
+                                                      + windows(details["spec_cap_lens_histogram"]))
         info = httpx.get(base + "/server_info", trust_env=False).json()
         assert info["internal_states"][0]["avg_spec_accept_length"] >= 1
 
