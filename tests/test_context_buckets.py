@@ -107,12 +107,12 @@ def test_mtp_rounds_run_narrow_tables_and_stay_lossless():
 
 def _spy_widths(eng) -> list[int]:
     """The page-table width of every round the engine's worker dispatches, appended as it runs."""
-    widths, arrays = [], eng.worker.round_arrays
+    widths, arrays = [], eng.worker.batch_arrays
 
-    def recording(reqs, S):
-        out = arrays(reqs, S)
-        widths.append(out[1].shape[1])
+    def recording(reqs, S, pages=None):
+        out = arrays(reqs, S, pages)
+        widths.append(out.table.shape[1])
         return out
 
-    eng.worker.round_arrays = recording
+    eng.worker.batch_arrays = recording
     return widths

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dspark_jax.forward_batch import build_forward_batch
+from dspark_jax.forward_batch import build_forward_batch, decode_forward_batch
 
 
 def reference_batch(seqs, *, page_size, num_tokens, num_seqs, pages_per_seq, logits_rows="last", num_logits=None):
@@ -61,3 +61,27 @@ def test_bad_batches_are_refused_naming_the_problem():
         build_forward_batch([(np.arange(6), 0, [1, 2])], page_size=4, num_tokens=4, num_seqs=1, pages_per_seq=4)
     with pytest.raises(ValueError, match="3 sequences exceed the bucket's 2"):
         build_forward_batch([(np.arange(1), 0, [1])] * 3, page_size=4, num_tokens=4, num_seqs=2, pages_per_seq=4)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_packing_equals_the_general_packing(seed):
+    """A decode step packed from a padded page table equals build_forward_batch's packing of the
+    same sequences (token ids given, or left to the device as zeros)."""
+    rng = np.random.default_rng(seed)
+    page_size, S, P = int(rng.choice([1, 4, 16])), 8, 6
+    n = int(rng.integers(1, S + 1))
+    table = np.zeros((S, P), np.int32)
+    seqs = []
+    for i in range(n):
+        pages = rng.permutation(60)[: int(rng.integers(1, P + 1))] + 1
+        table[i, : len(pages)] = pages
+        seqs.append((rng.integers(0, 500, 1).astype(np.int32), int(rng.integers(0, len(pages) * page_size)), pages))
+    positions = np.array([c for _, c, _ in seqs])
+    want = build_forward_batch(seqs, page_size=page_size, num_tokens=S, num_seqs=S, pages_per_seq=P)
+    got = decode_forward_batch(table, positions, [int(ids[0]) for ids, _, _ in seqs], page_size=page_size)
+    for name, g, w in zip(got._fields, got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+        assert np.asarray(g).dtype == np.int32, name
+    fed = decode_forward_batch(table, positions, None, page_size=page_size)
+    assert not fed.input_ids.any()
+    np.testing.assert_array_equal(fed.slot_mapping, want.slot_mapping)

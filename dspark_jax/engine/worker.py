@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -21,13 +22,28 @@ from dspark_jax.engine.background_compile import own_or_cover
 from dspark_jax.engine.flat_state import with_flat_states
 from dspark_jax.engine.model_runner import abstract, round_up
 from dspark_jax.engine.request import Request, Status
-from dspark_jax.forward_batch import ForwardBatch, build_forward_batch, shape_struct
+from dspark_jax.forward_batch import ForwardBatch, build_forward_batch, decode_forward_batch, shape_struct
 from dspark_jax.logit_processors import CONSTRAINED, LogitProcessors, sample_processed
 from dspark_jax.logprobs import TokenLogprobs
 from dspark_jax.parallel.host import prefetch, to_host
 from dspark_jax.sampling import sampling_arrays, sampling_struct
 
 log = logging.getLogger(__name__)
+
+
+class BatchArrays(NamedTuple):
+    """A step's per-request host arrays that last as long as its batch (Worker.batch_arrays)."""
+
+    live: np.ndarray  # [S] bool
+    table: np.ndarray  # [S, P] int32 page tables
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    seed: np.ndarray
+    logit_slot: np.ndarray  # [S] int32 logit-processor rows, -1: none
+    # some request uses logit processors or logprobs (True; CONSTRAINED: a grammar): the step runs
+    # a processed (constrained) executable
+    processed: int | bool
 
 
 class Worker:
@@ -47,6 +63,33 @@ class Worker:
 
     def bind(self, engine) -> None:
         self.engine = engine
+        self._last_arrays = None  # batch_arrays' last (key, arrays)
+
+    def batch_arrays(self, reqs, S: int, pages: int | None = None) -> BatchArrays:
+        """Host arrays of a step for reqs padded to S rows: live mask, page tables (as wide as
+        the step's context bucket, or ``pages``), sampling parameters and logit-processor rows.
+        A serving batch keeps its requests for many steps: the last batch's arrays are reused
+        (read-only), so a step rebuilds only what moves (positions, fed tokens)."""
+        e = self.engine
+        bs = len(reqs)
+        P = pages or e.page_width(max((r.total_len for r in reqs), default=0) + self.lookahead)
+        key = (S, P, tuple(reqs))  # the request objects themselves: ids may be reused once one ends
+        if self._last_arrays is not None and self._last_arrays[0] == key:
+            return self._last_arrays[1]
+        live = np.zeros(S, bool)
+        live[:bs] = True
+        table = np.zeros((S, P), np.int32)
+        for i, r in enumerate(reqs):
+            if r.page_row is None:  # reserved at admission: the row never changes while it runs
+                r.page_row = e.pool.page_table_row(r.id, e.pages_per_seq)
+            table[i] = r.page_row[:P]
+        temp, top_k, top_p, seed, _ = sampling_arrays([r.params for r in reqs], [r.seed for r in reqs], [0] * bs, S)
+        arrays = BatchArrays(live, table, temp, top_k, top_p, seed, LogitProcessors.slots(reqs, S),
+                             LogitProcessors.level(reqs))
+        for a in arrays[:-1]:
+            a.flags.writeable = False
+        self._last_arrays = (key, arrays)
+        return arrays
 
     def keys(self) -> list[tuple]:
         """The key of every executable the worker runs, compiled at start-up: the costliest
@@ -137,8 +180,7 @@ def prefill_batch(engine, chunks, tokens: int | None = None) -> tuple[ForwardBat
     T = tokens or prefill_tokens(engine, chunks)
     S = engine.prefill_seqs
     pool = engine.pool
-    seqs = [(np.asarray(r.prompt_ids[r.num_cached: r.num_cached + n]), r.num_cached, pool.pages(r.id))
-            for r, n in chunks]
+    seqs = [(r.prompt_ids[r.num_cached: r.num_cached + n], r.num_cached, pool.pages(r.id)) for r, n in chunks]
     batch = build_forward_batch(seqs, page_size=pool.page_size, num_tokens=T, num_seqs=S,
                                 pages_per_seq=engine.pages_per_seq)
     reqs = [r for r, _ in chunks]
@@ -280,29 +322,29 @@ class PlainWorker(Worker):
         """prev: the in-flight step for the same batch, whose device tokens (one ahead of the
         host) feed this one."""
         e = self.engine
-        ahead = 0 if prev is None else 1
-        B = round_up(len(reqs), e.decode_buckets)
-        P = e.page_width(max(r.total_len for r in reqs) + ahead)
-
-        def sample(rows: int) -> tuple:
-            return sampling_arrays([r.params for r in reqs], [r.seed for r in reqs],
-                                   [r.total_len + ahead for r in reqs], rows)
-
-        sampling, level = sample(B), LogitProcessors.level(reqs)
+        n, ahead = len(reqs), 0 if prev is None else 1
+        lens = np.fromiter((r.total_len for r in reqs), np.int32, n)  # tokens the host has per request
+        B = round_up(n, e.decode_buckets)
+        arrays = self.batch_arrays(reqs, B, e.page_width(int(lens.max()) + ahead))
+        level = arrays.processed
         variant = ("constrained" if level == CONSTRAINED else "processed") if level else (
-            "stochastic" if sampling[0].any() else "greedy")
+            "stochastic" if arrays.temperature.any() else "greedy")
         # while its own shape compiles in the background, a wider one (if not fed)
-        (width, _, P, _), fn = own_or_cover(self._compiled, (B, B, P, variant), self.step_executable,
-                                            dims=(2,) if prev is not None else (0, 1, 2),
-                                            widest=self._widest(variant) if self.pads(level) else None)
-        if width != B:
-            B, sampling = width, sample(width)
-        seqs = [(np.asarray(r.output_ids[-1:]), r.total_len - 1 + ahead, e.pool.pages(r.id)[:P]) for r in reqs]
-        batch = build_forward_batch(seqs, page_size=e.pool.page_size, num_tokens=B, num_seqs=B, pages_per_seq=P)
+        (B, _, P, _), fn = own_or_cover(self._compiled, (B, B, arrays.table.shape[1], variant), self.step_executable,
+                                        dims=(2,) if prev is not None else (0, 1, 2),
+                                        widest=self._widest(variant) if self.pads(level) else None)
+        if arrays.table.shape != (B, P):
+            arrays = self.batch_arrays(reqs, B, P)
+        batch = decode_forward_batch(arrays.table, lens - 1 + ahead,
+                                     None if prev is not None else [r.output_ids[-1] for r in reqs],
+                                     page_size=e.pool.page_size)
         if prev is not None:
             batch = batch._replace(input_ids=prev.tokens)
+        position = np.zeros(B, np.int32)  # of the token each row samples
+        position[:n] = lens + ahead
+        sampling = (arrays.temperature, arrays.top_k, arrays.top_p, arrays.seed, position)
         if level:
-            tokens, lp = self.run(batch, sampling + (LogitProcessors.slots(reqs, B),), variant, fn)
+            tokens, lp = self.run(batch, sampling + (arrays.logit_slot,), variant, fn)
             for x in lp:
                 prefetch(x)
         else:
@@ -311,7 +353,7 @@ class PlainWorker(Worker):
         return _DecodeStep(reqs, tokens, lp)
 
     def read(self, step):
-        tokens = to_host(step.tokens)
+        tokens = to_host(step.tokens).tolist()
         lp = jax.tree.map(to_host, step.logprobs) if step.logprobs is not None else None
-        return [(r, r.commit([tokens[i]], logprob_rows(lp, i))) for i, r in enumerate(step.reqs)
+        return [(r, r.commit(tokens[i: i + 1], logprob_rows(lp, i))) for i, r in enumerate(step.reqs)
                 if r.status is not Status.FINISHED]

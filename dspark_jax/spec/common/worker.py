@@ -1,38 +1,19 @@
-"""What the DSpark and MTP workers share: the drafter beside the target, its paged cache, the
-per-round host arrays, packed transfers, and the round statistics."""
+"""What the DSpark and MTP workers share: the drafter beside the target, its paged cache, packed
+transfers, and the round statistics."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
-import numpy as np
 from flax import nnx
 
 from dspark_jax.engine.background_compile import own_or_cover
 from dspark_jax.engine.flat_state import flatten_states, with_flat_states
 from dspark_jax.engine.host_pack import HostPack, with_packed_inputs, with_packed_outputs
 from dspark_jax.engine.worker import Worker, prefill_batch, prefill_level, prefill_tokens
-from dspark_jax.logit_processors import LogitProcessors
-from dspark_jax.sampling import sampling_arrays
 from dspark_jax.spec.common.stats import new_round_stats, summarize_rounds
 from dspark_jax.spec.config import SpeculativeConfig
-
-
-class RoundArrays(NamedTuple):
-    """A round's per-request host arrays (DraftWorker.round_arrays)."""
-
-    live: np.ndarray  # [S] bool
-    table: np.ndarray  # [S, P] int32 page tables
-    temperature: np.ndarray
-    top_k: np.ndarray
-    top_p: np.ndarray
-    seed: np.ndarray
-    logit_slot: np.ndarray  # [S] int32 logit-processor rows, -1: none
-    # some request uses logit processors or logprobs (True; CONSTRAINED: a grammar): the round runs
-    # a processed (constrained) executable
-    processed: int | bool
 
 
 class DraftWorker(Worker):
@@ -60,7 +41,6 @@ class DraftWorker(Worker):
         self.dcache = self.allocate_draft_cache(engine.pool.num_pages, engine.pool.page_size, runner.dtype)
         self._compiled: dict = {}
         self._packs: dict = {}
-        self._last_arrays = None  # round_arrays' last (key, arrays)
 
     def allocate_draft_cache(self, num_pages: int, page_size: int, dtype):
         raise NotImplementedError
@@ -134,32 +114,6 @@ class DraftWorker(Worker):
         if pack is None:
             pack = self._packs[key] = HostPack.of(abstract_inputs(), device_fields)
         return pack
-
-    # -- host inputs ---------------------------------------------------------------------------
-    def round_arrays(self, reqs, S: int, pages: int | None = None) -> RoundArrays:
-        """Host arrays of a round for reqs padded to S rows: live mask, page tables (as wide as
-        the round's context bucket, or ``pages``), sampling parameters and logit-processor rows.
-        A serving batch keeps its requests for many rounds: the last batch's arrays are reused."""
-        e = self.engine
-        bs = len(reqs)
-        P = pages or e.page_width(max((r.total_len for r in reqs), default=0) + self.lookahead)
-        key = (S, P, tuple(reqs))  # the request objects themselves: ids may be reused once one ends
-        if self._last_arrays is not None and self._last_arrays[0] == key:
-            return self._last_arrays[1]
-        live = np.zeros(S, bool)
-        live[:bs] = True
-        table = np.zeros((S, P), np.int32)
-        for i, r in enumerate(reqs):
-            if r.page_row is None:  # reserved at admission: the row never changes while it runs
-                r.page_row = e.pool.page_table_row(r.id, e.pages_per_seq)
-            table[i] = r.page_row[:P]
-        temp, top_k, top_p, seed, _ = sampling_arrays([r.params for r in reqs], [r.seed for r in reqs], [0] * bs, S)
-        arrays = RoundArrays(live, table, temp, top_k, top_p, seed, LogitProcessors.slots(reqs, S),
-                             LogitProcessors.level(reqs))
-        for a in arrays[:-1]:
-            a.flags.writeable = False
-        self._last_arrays = (key, arrays)
-        return arrays
 
     # -- statistics ----------------------------------------------------------------------------
     def new_stats(self, *extra: str) -> dict:

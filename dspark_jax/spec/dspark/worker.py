@@ -309,7 +309,7 @@ class DSparkWorker(DraftWorker):
         plan = plan_call(bs, self._decisions(bs, step, slots, generations), gamma=G, mode=self.mode, tiers=self.tiers,
                          fill_tier=self._trims,
                          price=self.scheduler.price if self._trims else None)
-        arrays = self.round_arrays(reqs, plan.rows)
+        arrays = self.batch_arrays(reqs, plan.rows)
         if plan.mode == "decode":
             plan = dataclasses.replace(plan, mode=decode_mode(arrays.temperature))
         P, processed = arrays.table.shape[1], arrays.processed
@@ -318,7 +318,7 @@ class DSparkWorker(DraftWorker):
                                widest=self._widest_round(plan.mode, processed) if self.pads(processed) else None)
         if key[2:5] != (plan.tier, plan.rows, P):  # padded onto a wider shape (not the one priced)
             plan = dataclasses.replace(plan, tier=key[2], rows=key[3], predicted_s=None)
-            arrays, P = self.round_arrays(reqs, key[3], pages=key[4]), key[4]
+            arrays, P = self.batch_arrays(reqs, key[3], pages=key[4]), key[4]
         S = plan.rows
         fed_index = np.full(S, -1, np.int32)
         if prev is not None and prev.reqs == reqs:  # the same batch as the call in flight: fed row by row

@@ -156,13 +156,13 @@ class MTPWorker(DraftWorker):
     def dispatch(self, reqs, prev):
         bs = len(reqs)
         T, S = self._round_shape(bs)
-        a = self.round_arrays(reqs, S)
+        a = self.batch_arrays(reqs, S)
         P = a.table.shape[1]
         (_, T, S, P, _), fn = own_or_cover(self._compiled, ("round", T, S, P, a.processed), self.step_executable,
                                            dims=(1, 2, 3),
                                            widest=self._widest_round(a.processed) if self.pads(a.processed) else None)
         if a.table.shape != (S, P):  # padded onto a wider shape while its own compiles
-            a = self.round_arrays(reqs, S, pages=P)
+            a = self.batch_arrays(reqs, S, pages=P)
         column = lambda values: np.concatenate([np.asarray(values, np.int32), np.zeros(S - bs, np.int32)])
         inp = MTPInputs(anchor=column([r.output_ids[-1] for r in reqs]), start=column([r.total_len - 1 for r in reqs]),
                         page_table=a.table, live=a.live, num_seqs=np.int32(bs), slot=column([r.slot for r in reqs]),
