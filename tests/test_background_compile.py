@@ -33,12 +33,24 @@ def _engine(target, arm: str, **ec) -> Engine:  # noqa: F811
                   spec=SpeculativeConfig(mode="compact", cost_table=TABLE))
 
 
+def held(gate: threading.Event, compile_fn):
+    """A background compile that waits for the gate.  A slow machine can take minutes to reach
+    the point where a test opens it, so the wait is long, and one that runs out is an error (not
+    a compile that returned nothing)."""
+    def compile_when_open(lowered):
+        if not gate.wait(600):
+            raise TimeoutError("the test never opened the compile gate")
+        return compile_fn(lowered)
+
+    return compile_when_open
+
+
 @pytest.mark.parametrize("arm", ["plain", "compact", "mtp"])
 def test_a_compiling_processed_executable_holds_up_only_its_requests(target, arm):  # noqa: F811
     want = _engine(target, arm, logit_processors="precompile").generate(PROMPTS, PARAMS)  # compiled in the loop
     eng = _engine(target, arm)
     gate, compile_fn = threading.Event(), eng.background._compile
-    eng.background._compile = lambda lowered: gate.wait(60) and compile_fn(lowered)
+    eng.background._compile = held(gate, compile_fn)
     ids = [eng.add_request(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
     plain, processed = (eng._requests[i] for i in ids)
     for _ in range(200):
@@ -216,7 +228,7 @@ def test_a_widest_first_start_up_serves_on_the_widest_while_the_rest_compile(tar
     eng = _engine(target, arm, min_context_bucket=16, widest_first=True)
     bg, gate = eng.background, threading.Event()
     compile_fn = bg._compile
-    bg._compile = lambda lowered: gate.wait(60) and compile_fn(lowered)
+    bg._compile = held(gate, compile_fn)
     eng.prepare()
     widest = eng.worker.widest(processed=False)
     assert set(eng.worker._compiled) == set(widest) and bg.busy  # the rest queued, none built
@@ -274,7 +286,7 @@ def test_a_profiling_start_up_queues_the_rest_once_the_table_is_derived(target, 
     eng = Engine(target, None, config, drafter=repeat_biased_drafter(target),
                  spec=SpeculativeConfig(mode="compact", cost_table="derive"))
     bg, gate, compile_fn = eng.background, threading.Event(), eng.background._compile
-    bg._compile = lambda lowered: gate.wait(60) and compile_fn(lowered)
+    bg._compile = held(gate, compile_fn)
     first = {k for k in eng.worker.keys() if not eng.worker.sampled_only(k)} | set(eng.worker.widest(processed=False))
     eng.prepare()
     assert not eng.worker.needs_calibration and eng.worker.scheduler.cost_table is not None

@@ -126,7 +126,8 @@ class Worker:
         the background compile thread (where processed steps compile there)."""
         if self.pads(True):
             queued = self.engine.background.queue(build for _, build in self.executables(self.widest(processed=True)))
-            log.info("%d widest processed steps compile in the background", queued)
+            if queued:
+                log.info("%d widest processed steps compile in the background", queued)
 
     def pads(self, processed: int | bool) -> bool:
         """Whether a step at this processing level asks for its kind's widest shape first, to run
