@@ -314,7 +314,11 @@ class Engine:
                 return None
             out = self.worker.prefill(chunks)
         events = []
-        tokens, logprobs = jax.tree.map(to_host, out)
+        tokens, logprobs = out
+        tokens = to_host(tokens).tolist()
+        # (each read is a device-to-host copy the loop waits on: logprobs only where a request asks)
+        wanted = logprobs is not None and any(r.logprobs is not None for r, _ in chunks)
+        logprobs = jax.tree.map(to_host, logprobs) if wanted else None
         for i, (r, n) in enumerate(chunks):
             r.num_cached += n
             if r.num_cached == len(r.prompt_ids):
