@@ -62,8 +62,8 @@ def build_forward_batch(
     ``seqs`` holds, per sequence, (new token ids, number of tokens already cached, page ids), ids
     and pages as lists or arrays.  ``logits_rows`` "last" asks for the last new row of each
     sequence (prefill, decode); "all" asks for every real row (verify).  Shapes are padded to the
-    bucket given.  Packed with whole-array operations, not a loop over sequences: this runs on
-    the host before every decode step, where a per-sequence loop cost ~12 us a request.
+    bucket given.  Packed with whole-array operations, not a loop over sequences: it runs on
+    the host before every prefill and draft step (decode steps: decode_forward_batch).
     """
     S = len(seqs)
     if S > num_seqs:
